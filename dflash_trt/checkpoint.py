@@ -1,0 +1,139 @@
+"""Lazy safetensors checkpoints (single file or sharded with an index) and an atomic directory writer.
+
+Only safetensors and JSON are read: pickle-based formats (.bin, .pt, .pth, .ckpt, .pkl)
+are refused, because loading them can execute code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from .errors import CheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+class SafetensorsCheckpoint:
+    """Tensor names → files, opened lazily (mmap); nothing is read until `get`."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError("checkpoint directory does not exist", file=self.directory)
+        self._handles: dict[Path, object] = {}
+        self.weight_map: dict[str, Path] = {}
+        index = self.directory / INDEX_NAME
+        if index.is_file():
+            self._read_index(index)
+        else:
+            files = sorted(self.directory.glob("*.safetensors"))
+            if not files:
+                pickles = sorted(p.name for p in self.directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+                if pickles:
+                    raise CheckpointError(
+                        f"only pickle-based weights found ({', '.join(pickles)}); refusing to load them "
+                        "because unpickling can execute code. Convert them to safetensors first.",
+                        file=self.directory,
+                    )
+                raise CheckpointError("no *.safetensors files and no " + INDEX_NAME, file=self.directory)
+            for file in files:
+                for name in self._open(file).keys():
+                    if name in self.weight_map:
+                        raise CheckpointError(f"tensor is stored twice ({self.weight_map[name].name} and {file.name})", file=file, key=name)
+                    self.weight_map[name] = file
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            raw = json.loads(index.read_text())
+            weight_map = raw["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"malformed index ({e!r})", file=index, key="weight_map") from None
+        for name, filename in weight_map.items():
+            file = self.directory / filename
+            if Path(filename).suffix != ".safetensors":
+                raise CheckpointError(f"index points at {filename!r}, which is not a safetensors file", file=index, key=f"weight_map.{name}")
+            if not file.is_file():
+                raise CheckpointError(f"shard {filename!r} listed in the index does not exist", file=index, key=f"weight_map.{name}")
+            self.weight_map[name] = file
+        for file in set(self.weight_map.values()):
+            stored = set(self._open(file).keys())
+            for name, f in self.weight_map.items():
+                if f == file and name not in stored:
+                    raise CheckpointError(f"index says this tensor is in {file.name}, but it is not", file=index, key=f"weight_map.{name}")
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except Exception as e:  # safetensors raises several types for corrupt headers
+                raise CheckpointError(f"cannot open as safetensors ({e})", file=file) from None
+        return self._handles[file]
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def file_of(self, name: str) -> Path:
+        return self.weight_map[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise CheckpointError("tensor not found", file=self.directory, key=name)
+        return self._open(self.weight_map[name]).get_tensor(name)
+
+    def load_exact(self, expected: dict[str, tuple[int, ...]], optional: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """Read exactly the tensors in `expected` (name → shape): missing, extra or misshapen ones are errors.
+
+        Names in `optional` may be absent or present (e.g. a tied lm_head.weight).
+        """
+        for name in expected:
+            if name not in self.weight_map and name not in optional:
+                raise CheckpointError("required tensor is missing", file=self.directory, key=name)
+        for name in self.weight_map:
+            if name not in expected:
+                raise CheckpointError("unexpected tensor (not part of this architecture)", file=self.file_of(name), key=name)
+        tensors = {}
+        for name, shape in expected.items():
+            if name not in self.weight_map:
+                continue
+            got = self.shape(name)
+            if got != tuple(shape):
+                raise CheckpointError(f"shape {list(got)} != expected {list(shape)}", file=self.file_of(name), key=name)
+            tensors[name] = self.get(name)
+        return tensors
+
+
+@contextlib.contextmanager
+def atomic_directory(dest: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside `dest`; rename it to `dest` only if the block succeeds.
+
+    On any exception the temporary directory is removed, so no half-written output remains.
+    """
+    dest = Path(dest)
+    if dest.exists() and not force:
+        raise FileExistsError(f"{dest} already exists (pass --force to overwrite)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,187 @@
+"""`dflash-trt` command line. Errors print one line and exit with code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import fetch
+from .errors import ConfigError, DFlashError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_tokenizer(directory: str | Path):
+    """The tokenizer shipped in a model directory: local files only, never remote code."""
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ConfigError("no tokenizer files (tokenizer.json, tokenizer.model or vocab.json); pass --tokenizer DIR", file=directory)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # transformers raises many types for broken tokenizer files
+        raise ConfigError(f"cannot load the tokenizer ({type(e).__name__}: {e})", file=directory) from None
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, enable_thinking=False
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer.encode(text)
+
+
+def generation_eos_ids(target_dir: str | Path, tokenizer) -> set[int]:
+    """EOS ids from config.json (already parsed), generation_config.json and the tokenizer."""
+    ids: set[int] = set()
+    path = Path(target_dir) / "generation_config.json"
+    if path.is_file():
+        value = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise ConfigError("prompts file does not exist", file=path)
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    row = json.loads(line)
+                    prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
+                except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+                    raise ConfigError("each line must be a JSON object with 'prompt' or 'turns'", file=path, key=f"line {n}") from None
+            else:
+                prompts.append(line)
+    if not prompts:
+        raise ConfigError("no prompt given: use --prompt TEXT or --prompts FILE", key="--prompt")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from .config import load_target_config
+    from .runtime import Generator
+    from .sampling import SamplingParams
+    from .torch_backend import load_torch_backend
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_cfg = load_target_config(args.target)  # fail on the config before touching weights
+    tokenizer = load_tokenizer(args.tokenizer or args.target)
+    prompts = [encode_prompt(tokenizer, p, chat=not args.no_chat_template) for p in read_prompts(args)]
+    drafter_dir = None if args.no_drafter else args.drafter
+    if drafter_dir is None and not args.no_drafter:
+        raise ConfigError("no drafter given: pass --drafter DIR, or --no-drafter for plain decoding", key="--drafter")
+
+    page_size = args.page_size
+    max_batch = min(args.max_batch, len(prompts))
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    block = args.block_size or 16
+    pages = args.kv_pages or max_batch * -(-(longest + block) // page_size)
+    backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], "cpu", pages, page_size, args.block_size)
+    eos = set(target_cfg.eos_token_ids) | generation_eos_ids(args.target, tokenizer)
+    gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, max_seq_len=target_cfg.max_position_embeddings)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, ignore_eos=args.ignore_eos,
+    )
+
+    stream = len(prompts) == 1 and not args.quiet
+    streamed: list[int] = []
+    printed = [0]
+
+    def on_token(_seq_id: int, token: int) -> None:
+        # Decode the whole output each time so multi-byte characters print only when complete.
+        streamed.append(token)
+        text = tokenizer.decode(streamed, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[printed[0]:])
+            sys.stdout.flush()
+            printed[0] = len(text)
+
+    start = time.perf_counter()
+    outputs = gen.generate(prompts, params, on_token=on_token if stream else None)
+    wall = time.perf_counter() - start
+    for i, out in enumerate(outputs):
+        if stream:
+            sys.stdout.write("\n")
+        elif not args.quiet:
+            print(f"--- [{i}] ({out.finish_reason}, {len(out.output_ids)} tokens)")
+            print(tokenizer.decode(out.output_ids, skip_special_tokens=True))
+    steps = sum(len(o.accepted_lengths) for o in outputs)
+    decoded = sum(len(o.output_ids) - 1 for o in outputs)
+    decode_s = max((o.decode_s for o in outputs), default=0.0)
+    tau = sum(sum(o.accepted_lengths) for o in outputs) / steps if steps else 0.0
+    total = sum(len(o.output_ids) for o in outputs)
+    hist: dict[int, int] = {}
+    for o in outputs:
+        for k, v in o.histogram().items():
+            hist[k] = hist.get(k, 0) + v
+    mode = "autoregressive" if drafter_dir is None else f"dflash block={backend.block_size}"
+    print(
+        f"[{mode}] {len(outputs)} request(s), {total} tokens in {wall:.2f}s; "
+        f"tau={tau:.2f} tokens/step; decode {decoded / decode_s if decode_s else 0:.1f} tokens/s; "
+        f"acceptance histogram {dict(sorted(hist.items()))}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-trt", description="DFlash block-diffusion speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with the PyTorch reference runtime")
+    g.add_argument("--target", required=True, help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
+    g.add_argument("--drafter", help="DFlash drafter directory (released z-lab format)")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: --target)")
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--prompts", help="file with one prompt per line, or .jsonl with 'prompt' / 'turns'")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, help="verify block size, 2..drafter block_size (default: the drafter's)")
+    g.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--no-chat-template", action="store_true")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    g.add_argument("--max-batch", type=int, default=8)
+    g.add_argument("--kv-pages", type=int, help="KV pool size in pages (default: enough for the batch)")
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--quiet", action="store_true", help="print only the final statistics")
+    g.set_defaults(func=cmd_generate)
+
+    fetch.register_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

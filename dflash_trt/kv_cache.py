@@ -1,0 +1,182 @@
+"""Paged KV cache: a pool of fixed-size pages shared by many sequences, one block table each.
+
+Used twice per request: for the target's K/V and for the drafter's context K/V.
+A sequence's tokens live at slot `table[pos // page_size] * page_size + pos % page_size`
+of a flat pool `[num_layers, num_pages * page_size, num_kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import KVCacheFullError
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        name: str = "kv",
+    ):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError("num_pages and page_size must be >= 1")
+        self.name = name
+        self.page_size = page_size
+        self.num_pages = num_pages
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack; pops page 0 first
+        self.block_tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id} is already in the {self.name} cache")
+        self.block_tables[seq_id] = []
+        self.lengths[seq_id] = 0
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        """Make room for `num_tokens` tokens in total. All or nothing: on failure nothing changes."""
+        table = self.block_tables[seq_id]
+        need = self.pages_for(num_tokens) - len(table)
+        if need > len(self._free):
+            raise KVCacheFullError(
+                f"{self.name} cache is full: sequence {seq_id} needs {need} more page(s) of "
+                f"{self.page_size} tokens for {num_tokens} tokens, {len(self._free)} of {self.num_pages} free"
+            )
+        for _ in range(max(need, 0)):
+            table.append(self._free.pop())
+
+    def set_length(self, seq_id: int, num_tokens: int) -> None:
+        """Mark the first `num_tokens` tokens valid (after a write), or roll back to them.
+
+        Pages wholly beyond the new length go back to the pool.
+        """
+        table = self.block_tables[seq_id]
+        if num_tokens > len(table) * self.page_size:
+            raise ValueError(f"sequence {seq_id}: length {num_tokens} exceeds its reserved {len(table) * self.page_size} slots")
+        keep = self.pages_for(num_tokens)
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self.lengths[seq_id] = num_tokens
+
+    def free(self, seq_id: int) -> None:
+        table = self.block_tables.pop(seq_id)
+        self.lengths.pop(seq_id)
+        self._free.extend(reversed(table))
+
+    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """Flat pool slots of positions [start, end) of a sequence (its pages must be reserved)."""
+        table = torch.tensor(self.block_tables[seq_id], dtype=torch.long)
+        pos = torch.arange(start, end)
+        return table[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def prepare(self, seq_ids: list[int], num_new: list[int], keep_cached: bool = True) -> "AttentionBatch":
+        """Reserve room for `num_new` tokens after each sequence's cached tokens and describe the batch.
+
+        The new tokens' queries attend to the cached tokens plus the new tokens themselves.
+        Lengths are not advanced: call `set_length` once the new K/V are written and kept.
+        """
+        starts = [self.lengths[s] for s in seq_ids]
+        for s, start, n in zip(seq_ids, starts, num_new):
+            self.reserve(s, start + n)
+        return AttentionBatch.build(
+            q_starts=starts,
+            q_lens=num_new,
+            kv_slots=[self.slots(s, 0, start + n) for s, start, n in zip(seq_ids, starts, num_new)],
+            write_slots=torch.cat([self.slots(s, start, start + n) for s, start, n in zip(seq_ids, starts, num_new)]),
+            device=self.k.device,
+        )
+
+
+@dataclass
+class AttentionBatch:
+    """Where a batch's new tokens go and what they attend to, padded to [batch, max_len].
+
+    Flat tensors have one row per new token, sequences concatenated in order.
+    Every sequence's keys are positions [0, q_start + q_len), its queries [q_start, q_start + q_len).
+    """
+
+    positions: torch.Tensor  # [T] position of each new token
+    write_slots: torch.Tensor  # [T] pool slot for each new token's K/V
+    q_index: torch.Tensor  # [B, Lq] row of the flat tensor (0 where padded)
+    q_valid: torch.Tensor  # [B, Lq] bool
+    q_pos: torch.Tensor  # [B, Lq]
+    kv_slots: torch.Tensor  # [B, Lk] pool slot of each key (0 where padded)
+    kv_valid: torch.Tensor  # [B, Lk] bool
+    kv_pos: torch.Tensor  # [B, Lk]
+    q_lens: list[int]
+    _masks: dict = field(default_factory=dict)
+
+    @staticmethod
+    def build(q_starts: list[int], q_lens: list[int], kv_slots: list[torch.Tensor], write_slots: torch.Tensor, device) -> "AttentionBatch":
+        batch = len(q_lens)
+        max_q = max(q_lens)
+        max_k = max(len(s) for s in kv_slots)
+        q_index = torch.zeros(batch, max_q, dtype=torch.long)
+        q_valid = torch.zeros(batch, max_q, dtype=torch.bool)
+        q_pos = torch.zeros(batch, max_q, dtype=torch.long)
+        kv = torch.zeros(batch, max_k, dtype=torch.long)
+        kv_valid = torch.zeros(batch, max_k, dtype=torch.bool)
+        offset = 0
+        for b, (start, n, slots) in enumerate(zip(q_starts, q_lens, kv_slots)):
+            q_index[b, :n] = torch.arange(offset, offset + n)
+            q_valid[b, :n] = True
+            q_pos[b, :n] = torch.arange(start, start + n)
+            kv[b, : len(slots)] = slots
+            kv_valid[b, : len(slots)] = True
+            offset += n
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(q_starts, q_lens)])
+        kv_pos = torch.arange(max_k).expand(batch, max_k)
+        return AttentionBatch(
+            positions=positions.to(device),
+            write_slots=write_slots.to(device),
+            q_index=q_index.to(device),
+            q_valid=q_valid.to(device),
+            q_pos=q_pos.to(device),
+            kv_slots=kv.to(device),
+            kv_valid=kv_valid.to(device),
+            kv_pos=kv_pos.to(device),
+            q_lens=list(q_lens),
+        )
+
+    def mask(self, causal: bool, window: int | None) -> torch.Tensor:
+        """[B, 1, Lq, Lk] bool, True where a query may attend a key.
+
+        Sliding window: |q_pos - k_pos| < window (only the past side when causal).
+        Padded query rows may see key 0, so softmax stays finite; their output is discarded.
+        """
+        key = (causal, window)
+        if key not in self._masks:
+            q = self.q_pos[:, :, None]
+            k = self.kv_pos[:, None, :]
+            visible = self.kv_valid[:, None, :].expand(-1, q.shape[1], -1).clone()
+            if causal:
+                visible &= k <= q
+            if window is not None:
+                visible &= q - k < window
+                if not causal:
+                    visible &= k - q < window
+            visible[:, :, 0] |= ~self.q_valid
+            self._masks[key] = visible[:, None]
+        return self._masks[key]

@@ -1,0 +1,117 @@
+"""DFlash drafter (z-lab's `DFlashDraftModel`) in plain torch over a paged context KV cache.
+
+Context: target features → `fc` → `hidden_norm` give one fused context vector per token;
+every layer projects it with its own k_proj / v_proj ("KV injection"), k_norm, RoPE at
+the token's position. All layers' context K/V are one GEMM, [T, H] × [H, L·2·nkv·hd],
+computed once when a token's features arrive and kept in the drafter cache.
+
+Block: [last token, mask × K] at positions [p, p+K+1), embedded with the target's
+embedding. Its queries attend to the cached context plus the block's own K/V, without a
+causal mask (sliding layers: causal by default, see DrafterConfig.layer_is_causal). The
+block K/V are scratch: written after the context, then dropped by the caller.
+The drafter has no embedding or lm_head; both come from the target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..checkpoint import SafetensorsCheckpoint
+from ..config import DrafterConfig, TargetConfig, check_pair, load_drafter_config
+from ..errors import CheckpointError
+from ..kv_cache import AttentionBatch, PagedKVCache
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope, paged_attention
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = AttentionProjections(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.causal = cfg.layer_is_causal(index)
+        self.window = cfg.layer_window(index)
+
+    def forward(self, x, cos, sin, k_pool, v_pool, batch: AttentionBatch):
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        k_pool[batch.write_slots] = k.to(k_pool.dtype)
+        v_pool[batch.write_slots] = v.to(v_pool.dtype)
+        attn = paged_attention(q, k_pool, v_pool, batch, causal=self.causal, window=self.window)
+        x = x + self.self_attn.o_proj(attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, feature_width: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DrafterLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(feature_width, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    def fuse_context_projections(self) -> None:
+        """Stack every layer's k_proj and v_proj into one weight: rows [layer, k|v, nkv·hd]."""
+        attn = [layer.self_attn for layer in self.layers]
+        self.ctx_kv_weight = torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight]) for a in attn]).detach()
+        self.ctx_kv_bias = (
+            torch.cat([torch.cat([a.k_proj.bias, a.v_proj.bias]) for a in attn]).detach() if self.cfg.attention_bias else None
+        )
+        self.ctx_k_norm = torch.stack([a.k_norm.weight for a in attn]).detach()  # [L, hd]
+
+    def new_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
+        p = self.fc.weight
+        return PagedKVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, num_pages, page_size, p.dtype, p.device, name="drafter")
+
+    def inject_context(self, features: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, cache: PagedKVCache) -> None:
+        """features: [T, n_ids·H_target] for tokens at `positions` → their K/V in every layer's cache."""
+        cfg = self.cfg
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, H]
+        kv = torch.nn.functional.linear(ctx, self.ctx_kv_weight, self.ctx_kv_bias)
+        kv = kv.view(-1, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
+        k, v = kv[:, :, 0], kv[:, :, 1]  # [T, L, nkv, hd]
+        # per-layer k_norm (RMSNorm over head_dim), fp32 statistics like RMSNorm.forward
+        k32 = k.float()
+        k = (k32 * torch.rsqrt(k32.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)).to(k.dtype)
+        k = k * self.ctx_k_norm[None, :, None, :]
+        cos, sin = self.rotary(positions, k.dtype)
+        T = k.shape[0]
+        k = apply_rope(k.reshape(T, cfg.num_layers * cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        k = k.view(T, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        cache.k[:, write_slots] = k.transpose(0, 1).to(cache.k.dtype)
+        cache.v[:, write_slots] = v.transpose(0, 1).to(cache.v.dtype)
+
+    def forward(self, block_embeds: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache) -> torch.Tensor:
+        """block_embeds: [T, H] (target embedding of the blocks) → final-normed hidden [T, H]."""
+        x = block_embeds.to(self.fc.weight.dtype)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
+        return self.norm(x)
+
+
+def load_drafter(directory: str | Path, target_cfg: TargetConfig, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DFlashDrafter:
+    cfg = check_pair(target_cfg, load_drafter_config(directory))
+    feature_width = len(cfg.target_layer_ids) * target_cfg.hidden_size
+    ckpt = SafetensorsCheckpoint(directory)
+    if "fc.weight" in ckpt and ckpt.shape("fc.weight") != (cfg.hidden_size, feature_width):
+        raise CheckpointError(
+            f"fc input width {ckpt.shape('fc.weight')[-1]} != len(target_layer_ids)={len(cfg.target_layer_ids)} "
+            f"x target hidden_size={target_cfg.hidden_size} = {feature_width}",
+            file=ckpt.file_of("fc.weight"),
+            key="fc.weight",
+        )
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg, feature_width)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tensors = ckpt.load_exact(expected)
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True, strict=True)
+    model.rotary = Rotary(cfg.rope, cfg.head_dim)
+    model = model.to(device).eval().requires_grad_(False)
+    model.fuse_context_projections()
+    return model

@@ -1,0 +1,110 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU MLP, paged attention.
+
+Tokens are flat: activations are [T, hidden] for all new tokens of a batch, sequences
+concatenated; `AttentionBatch` says which rows belong to which sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import RopeConfig, TransformerConfig, rope_inv_freq
+from ..kv_cache import AttentionBatch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, cast back before the weight: what transformers' Llama/Qwen3 RMSNorm does
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for positions, with rotate-half (non-interleaved) layout."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int):
+        super().__init__()
+        inv = torch.tensor(rope_inv_freq(rope, head_dim), dtype=torch.float32)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, hd]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; cos/sin: [T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections and the optional per-head q/k RMSNorm (Qwen3), as HF names them."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [T, hidden] → q [T, nh, hd], k and v [T, nkv, hd], normed and rotated."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    batch: AttentionBatch,
+    causal: bool,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of a batch's new queries over their sequences' pooled keys.
+
+    q: [T, nh, hd]; k_pool, v_pool: [slots, nkv, hd] (one layer); returns [T, nh * hd].
+    The new tokens' own K/V must already be written to the pool.
+    """
+    T, nh, hd = q.shape
+    B, Lk = batch.kv_slots.shape
+    nkv = k_pool.shape[1]
+    qp = q[batch.q_index].transpose(1, 2)  # [B, nh, Lq, hd]
+    k = k_pool[batch.kv_slots.reshape(-1)].view(B, Lk, nkv, hd).transpose(1, 2)
+    v = v_pool[batch.kv_slots.reshape(-1)].view(B, Lk, nkv, hd).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.mask(causal, window), enable_gqa=nh != nkv)
+    return out.transpose(1, 2)[batch.q_valid].reshape(T, nh * hd)

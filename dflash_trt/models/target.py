@@ -1,0 +1,112 @@
+"""Target model (Llama 3.x, Qwen3) in plain torch over a paged KV cache.
+
+Parameter names equal Hugging Face's, so a checkpoint loads without a name map.
+Besides logits, the forward returns the DFlash context features: the output of each
+decoder layer in `capture_layers` (hidden + residual, before the final norm, i.e. HF's
+`hidden_states[id + 1]`), concatenated along the hidden axis.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint import SafetensorsCheckpoint
+from ..config import TargetConfig, load_target_config
+from ..kv_cache import AttentionBatch, PagedKVCache
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary, paged_attention
+
+
+class TargetLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = AttentionProjections(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, k_pool, v_pool, batch: AttentionBatch):
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        k_pool[batch.write_slots] = k.to(k_pool.dtype)
+        v_pool[batch.write_slots] = v.to(v_pool.dtype)
+        attn = paged_attention(q, k_pool, v_pool, batch, causal=True)
+        x = x + self.self_attn.o_proj(attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(TargetLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, H] after the final norm → logits [n, V] (fp32)."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def new_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
+        p = self.model.embed_tokens.weight
+        return PagedKVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, num_pages, page_size, p.dtype, p.device, name="target")
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        batch: AttentionBatch,
+        cache: PagedKVCache,
+        capture_layers: tuple[int, ...] = (),
+        logits_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens: [T] new tokens of the batch → (logits [n, V] for `logits_rows` (all rows if None),
+        features [T, len(capture_layers) * H] or None). Writes the new tokens' K/V into `cache`."""
+        x = self.embed(tokens)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        last = self.cfg.num_layers - 1
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
+            if i in capture_layers and i != last:
+                captured[i] = x
+        h = self.model.norm(x)
+        if last in capture_layers:
+            captured[last] = h  # HF's hidden_states[-1] is the final-normed output
+        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return self.logits(h), features
+
+
+def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TargetModel:
+    cfg = load_target_config(directory)
+    ckpt = SafetensorsCheckpoint(directory)
+    with torch.device("meta"):
+        model = TargetModel(cfg)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    if cfg.tie_word_embeddings:
+        expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)  # tolerated, ignored
+    tensors = ckpt.load_exact(expected, optional=optional)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True, strict=True)
+    model.rotary = Rotary(cfg.rope, cfg.head_dim)  # buffers built on meta above
+    return model.to(device).eval().requires_grad_(False)

@@ -1,0 +1,191 @@
+"""Generator: requests in, tokens out. Continuous batching over one backend and one speculative loop.
+
+Requests wait in a queue, join the running batch at a step boundary when a batch slot and
+enough KV pages (worst case: prompt + max_new_tokens + one block) are free, and leave it
+when they stop. Plain autoregressive decoding is the same loop with `use_drafter=False`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from .errors import KVCacheFullError
+from .sampling import RequestError, SamplingParams, sample, target_probs
+from .speculative import Backend, Sequence, speculative_step
+
+
+@dataclass
+class RequestOutput:
+    seq_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+    accepted_lengths: list[int]  # tokens committed per decode step, bonus included
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target verify step (bonus included; 1.0 for plain decoding)."""
+        return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first (which comes from prefill) per second of decoding."""
+        n = len(self.output_ids) - 1
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+    def histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.accepted_lengths).items()))
+
+
+@dataclass
+class _Running:
+    seq: Sequence
+    prefill_s: float
+    decode_start: float
+
+
+class Generator:
+    def __init__(
+        self,
+        backend: Backend,
+        eos_token_ids: Iterable[int] = (),
+        max_batch: int = 8,
+        use_drafter: bool = True,
+        max_seq_len: int | None = None,
+    ):
+        self.backend = backend
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_batch = max_batch
+        self.max_drafts = backend.max_drafts if use_drafter else 0
+        self.max_seq_len = max_seq_len
+        self._ids = itertools.count()
+        self._waiting: deque[Sequence] = deque()
+        self._running: dict[int, _Running] = {}
+        self._pages_reserved: dict[int, int] = {}
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams = SamplingParams(),
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> int:
+        params.validate()
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.backend.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt has token ids outside [0, {vocab})")
+        total = len(prompt_ids) + params.max_new_tokens
+        if self.max_seq_len is not None and total > self.max_seq_len:
+            raise RequestError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({params.max_new_tokens}) = {total} > max sequence length {self.max_seq_len}")
+        pages = self.backend.pages_needed(total)
+        if pages > self.backend.num_pages:
+            raise KVCacheFullError(
+                f"a request of {total} tokens needs {pages} KV pages, the pool has {self.backend.num_pages} in total; "
+                "raise --kv-pages or lower max_new_tokens"
+            )
+        seq_id = next(self._ids)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        self._waiting.append(
+            Sequence(seq_id, list(prompt_ids), params, frozenset(stop), torch.Generator().manual_seed(seed), on_token)
+        )
+        return seq_id
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def cancel(self, seq_id: int) -> None:
+        """Drop a request (e.g. its client went away) and free its KV pages."""
+        self._waiting = deque(s for s in self._waiting if s.seq_id != seq_id)
+        if seq_id in self._running:
+            self._finish(seq_id)
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        free = self.backend.num_pages - sum(self._pages_reserved.values())
+        while self._waiting and len(self._running) + len(admitted) < self.max_batch:
+            seq = self._waiting[0]
+            pages = self.backend.pages_needed(len(seq.prompt) + seq.params.max_new_tokens)
+            if pages > free:
+                break  # waits for running requests to finish and free their pages
+            self._waiting.popleft()
+            free -= pages
+            self._pages_reserved[seq.seq_id] = pages
+            admitted.append(seq)
+        return admitted
+
+    def _prefill(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        start = time.perf_counter()
+        ids = [s.seq_id for s in seqs]
+        for s in ids:
+            self.backend.add_sequence(s)
+        logits = self.backend.prefill(ids, [s.prompt for s in seqs])
+        for s, row in zip(seqs, logits):
+            first = int(row.argmax()) if s.params.greedy else sample(target_probs(row[None], s.params)[0], s.generator)
+            s.append([first])
+        now = time.perf_counter()
+        finished = []
+        for s in seqs:
+            self._running[s.seq_id] = _Running(s, now - start, now)
+            if s.finish_reason is not None:
+                finished.append(self._finish(s.seq_id))
+        return finished
+
+    def _finish(self, seq_id: int) -> RequestOutput:
+        run = self._running.pop(seq_id)
+        self._pages_reserved.pop(seq_id, None)
+        self.backend.release(seq_id)
+        s = run.seq
+        return RequestOutput(
+            seq_id=s.seq_id,
+            prompt_ids=s.prompt,
+            output_ids=list(s.output),
+            finish_reason=s.finish_reason or "cancelled",
+            accepted_lengths=list(s.accepted_lengths),
+            prefill_s=run.prefill_s,
+            decode_s=time.perf_counter() - run.decode_start,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests (prefill), then one speculative step for the rest; returns those that finished."""
+        finished = []
+        admitted = self._admit()
+        if admitted:
+            finished += self._prefill(admitted)
+        decoding = [r.seq for r in self._running.values() if r.seq.seq_id not in {s.seq_id for s in admitted}]
+        if decoding:
+            speculative_step(self.backend, decoding, self.max_drafts)
+            finished += [self._finish(s.seq_id) for s in decoding if s.finish_reason is not None]
+        if not admitted and not decoding and self._waiting:
+            raise KVCacheFullError("no request can be admitted: the KV pool is too small for the next request")
+        return finished
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] = SamplingParams(),
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.submit(p, sp, on_token) for p, sp in zip(prompts, all_params)]
+        done: dict[int, RequestOutput] = {}
+        while self.has_work:
+            for out in self.step():
+                done[out.seq_id] = out
+        return [done[i] for i in ids]

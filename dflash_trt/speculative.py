@@ -1,0 +1,137 @@
+"""One batched speculative step: draft, verify, accept, commit. Written once for every backend.
+
+State per sequence: every committed token but the last is in the target's KV cache; the
+last one (`Sequence.last_token`) is the first token of the next verify block. A step:
+
+1. draft:  the drafter proposes K_b tokens after `last_token` (K_b = 0 without a drafter,
+           which makes the step plain autoregressive decoding);
+2. verify: the target runs [last_token, d_1..d_K] in one forward → K+1 distributions;
+3. accept: greedy keeps the longest prefix where d_j equals the target's argmax after
+           d_1..d_{j-1}, then adds the target's own next token (the bonus), so every step
+           commits accepted + 1 tokens, the same tokens plain greedy decoding would produce.
+           At T > 0, drafts are a point mass q = δ(d) (always greedy, as in z-lab's loop):
+           accept d_j with probability min(1, p(d_j)/q(d_j)) = p(d_j); on the first
+           rejection resample from max(p − q, 0) ∝ p without d_j; if all pass, sample the
+           bonus from the last p. Each emitted token is then an exact sample of p.
+4. commit: the backend keeps the K/V (and drafter context features) of the accepted
+           tokens and rolls back the rest; stop rules may end a sequence mid-block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from .sampling import SamplingParams, sample, target_probs
+
+
+class Backend(Protocol):
+    """What a backend (torch now, TensorRT engines later) implements; the loop does the rest."""
+
+    vocab_size: int
+    max_drafts: int  # block_size - 1, or 0 without a drafter
+
+    def add_sequence(self, seq_id: int) -> None: ...
+    def release(self, seq_id: int) -> None: ...
+    def prefill(self, seq_ids: list[int], prompts: list[list[int]]) -> torch.Tensor: ...  # [B, V] last-token logits
+    def draft(self, seq_ids: list[int], last_tokens: list[int], num_drafts: list[int]) -> list[list[int]]: ...
+    def verify(self, seq_ids: list[int], blocks: list[list[int]]) -> list[torch.Tensor]: ...  # [n_b, V] each
+    def commit(self, seq_ids: list[int], num_kept: list[int]) -> None: ...
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    on_token: Callable[[int, int], None] | None = None
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per step, bonus included
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output)
+
+    def append(self, tokens: list[int]) -> int:
+        """Commit tokens in order, stopping at a stop token or the length limit; returns how many were kept."""
+        kept = 0
+        for token in tokens:
+            if self.finish_reason is not None:
+                break
+            self.output.append(token)
+            kept += 1
+            if self.on_token is not None:
+                self.on_token(self.seq_id, token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+            elif self.remaining == 0:
+                self.finish_reason = "length"
+        return kept
+
+
+def greedy_accept(drafts: torch.Tensor, num_drafts: torch.Tensor, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [B, K] (padding ignored), num_drafts [B], target argmax [B, K+1] → (accepted [B], bonus [B]).
+
+    accepted_b = longest j ≤ num_drafts_b with drafts[b, :j] == target_tokens[b, :j]; the bonus
+    is target_tokens[b, accepted_b], the target's token after the accepted prefix.
+    """
+    K = drafts.shape[1]
+    match = (drafts == target_tokens[:, :K]) & (torch.arange(K) < num_drafts[:, None])
+    accepted = match.long().cumprod(dim=1).sum(dim=1)
+    bonus = target_tokens.gather(1, accepted[:, None])[:, 0]
+    return accepted, bonus
+
+
+def rejection_accept(drafts: list[int], probs: torch.Tensor, generator: torch.Generator) -> tuple[int, int]:
+    """drafts [K] with point-mass draft distributions, target probs [K+1, V] → (accepted, next token)."""
+    for j, d in enumerate(drafts):
+        p = probs[j]
+        if torch.rand((), generator=generator) < p[d]:
+            continue
+        residual = p.clone()
+        residual[d] = 0.0  # max(p - δ_d, 0), renormalized by multinomial
+        return j, sample(residual, generator)
+    return len(drafts), sample(probs[len(drafts)], generator)
+
+
+def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int) -> None:
+    """One draft → verify → accept → commit step for every sequence in `seqs` (none finished)."""
+    ids = [s.seq_id for s in seqs]
+    # A step commits at most K+1 tokens; never draft past the length limit.
+    num_drafts = [max(0, min(max_drafts, s.remaining - 1)) for s in seqs]
+    if any(num_drafts):
+        drafts = backend.draft(ids, [s.last_token for s in seqs], num_drafts)
+    else:
+        drafts = [[] for _ in seqs]
+    logits = backend.verify(ids, [[s.last_token] + d for s, d in zip(seqs, drafts)])
+
+    accepted: list[int] = [0] * len(seqs)
+    next_tokens: list[int] = [0] * len(seqs)
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    if greedy:
+        K = max(num_drafts[i] for i in greedy)
+        padded = torch.full((len(greedy), K), -1, dtype=torch.long)
+        argmax = torch.zeros(len(greedy), K + 1, dtype=torch.long)
+        for row, i in enumerate(greedy):
+            padded[row, : num_drafts[i]] = torch.tensor(drafts[i], dtype=torch.long)
+            argmax[row, : num_drafts[i] + 1] = logits[i].argmax(dim=-1)
+        acc, bonus = greedy_accept(padded, torch.tensor([num_drafts[i] for i in greedy]), argmax)
+        for row, i in enumerate(greedy):
+            accepted[i], next_tokens[i] = int(acc[row]), int(bonus[row])
+    for i, s in enumerate(seqs):
+        if not s.params.greedy:
+            accepted[i], next_tokens[i] = rejection_accept(drafts[i], target_probs(logits[i], s.params), s.generator)
+
+    # The verify block's first token and the accepted drafts now have K/V in the target cache.
+    backend.commit(ids, [a + 1 for a in accepted])
+    for s, d, a, t in zip(seqs, drafts, accepted, next_tokens):
+        s.accepted_lengths.append(s.append(d[:a] + [t]))

@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="dflash-trt",
+    version="0.1.0",
+    description="DFlash block-diffusion speculative decoding for TensorRT-LLM, with a PyTorch reference runtime",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dflash_trt", "dflash_trt.*"]),
+    install_requires=[
+        "torch>=2.5",  # enable_gqa in scaled_dot_product_attention
+        "safetensors>=0.4",
+        "transformers>=4.45",  # tokenizers and chat templates only; no modeling code at run time
+        "tokenizers>=0.19",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        "trt": ["tensorrt_llm", "tensorrt", "nvidia-modelopt"],
+        "mpi": ["mpi4py"],
+        # fetch-models converts a GGUF checkpoint once, through transformers' GGUF loader
+        "fetch": ["gguf>=0.10", "accelerate"],
+        "dev": ["pytest>=8", "scipy", "gguf>=0.10", "accelerate"],
+    },
+    entry_points={"console_scripts": ["dflash-trt=dflash_trt.cli:main"]},
+)

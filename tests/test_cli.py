@@ -1,0 +1,124 @@
+"""`dflash-trt generate` end to end, and every validation error as one line with exit code 2."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_trt.cli import main
+
+
+def _run(capsys, *args):
+    rc = main(["generate", *map(str, args)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_generate_streams_text_and_reports_tau_and_matches_plain_decoding(tiny_dirs, capsys):
+    target, drafter = tiny_dirs
+    common = ["--target", target, "--prompt", "def add(a, b):", "--max-new-tokens", 20, "--ignore-eos"]
+    rc, spec_out, spec_err = _run(capsys, *common, "--drafter", drafter, "--block-size", 4)
+    assert rc == 0, spec_err
+    rc, ar_out, ar_err = _run(capsys, *common, "--no-drafter")
+    assert rc == 0, ar_err
+    assert spec_out == ar_out and spec_out.strip()  # greedy speculative text == plain greedy text
+    assert "tau=" in spec_err and "tokens/s" in spec_err and "dflash block=4" in spec_err
+    assert "tau=1.00" in ar_err and "autoregressive" in ar_err
+
+
+def test_prompts_file_batches_requests(tiny_dirs, capsys, tmp_path):
+    target, drafter = tiny_dirs
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"hello {i}"}) for i in range(3)))
+    rc, out, err = _run(capsys, "--target", target, "--drafter", drafter, "--prompts", prompts, "--max-new-tokens", 6, "--max-batch", 2)
+    assert rc == 0, err
+    assert out.count("--- [") == 3 and "3 request(s)" in err
+
+
+def test_console_script_runs(tiny_dirs):
+    target, drafter = tiny_dirs
+    exe = shutil.which("dflash-trt") or pytest.skip("package not installed (pip install -e .)")
+    res = subprocess.run([exe, "generate", "--target", str(target), "--drafter", str(drafter), "--prompt", "hi", "--max-new-tokens", "4", "--quiet"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "tau=" in res.stderr
+
+
+def _edit_config(d, **changes):
+    raw = json.loads((d / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    (d / "config.json").write_text(json.dumps(raw))
+
+
+def _edit_weights(d, fn):
+    tensors = load_file(str(d / "model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(d / "model.safetensors"))
+
+
+def _drop_layer_ids_keep_weights(d):
+    raw = json.loads((d / "config.json").read_text())
+    raw["dflash_config"]["target_layer_ids"] = [0, 1, 2]  # fc was built for 2 ids (the default for 2 layers)
+    (d / "config.json").write_text(json.dumps(raw))
+
+
+def _dflash(**kw):
+    return lambda d: _edit_config(d, dflash_config={**json.loads((d / "config.json").read_text())["dflash_config"], **kw})
+
+
+def _pickle_only(d):
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
+
+
+# (which dir to break, how, the key the error must name, the file it must name)
+CASES = {
+    "hidden-size": ("drafter", lambda d: _edit_config(d, hidden_size=32), "hidden_size", "config.json"),
+    "vocab": ("drafter", lambda d: _edit_config(d, vocab_size=97), "vocab_size", "config.json"),
+    "layer-id-out-of-range": ("drafter", _dflash(target_layer_ids=[0, 4]), "dflash_config.target_layer_ids", "config.json"),
+    "fc-width": ("drafter", _drop_layer_ids_keep_weights, "fc.weight", "model.safetensors"),
+    "mask-id-out-of-vocab": ("drafter", _dflash(mask_token_id=96), "dflash_config.mask_token_id", "config.json"),
+    "mask-id-missing": ("drafter", lambda d: _edit_config(d, dflash_config={}), "dflash_config.mask_token_id", "config.json"),
+    "num-target-layers": ("drafter", lambda d: _edit_config(d, num_target_layers=5), "num_target_layers", "config.json"),
+    "missing-weight": ("drafter", lambda d: _edit_weights(d, lambda t: t.pop("layers.1.mlp.up_proj.weight")), "layers.1.mlp.up_proj.weight", "drafter"),
+    "extra-weight": ("drafter", lambda d: _edit_weights(d, lambda t: t.update({"embed_tokens.weight": torch.zeros(96, 64)})), "embed_tokens.weight", "model.safetensors"),
+    "wrong-shape": ("drafter", lambda d: _edit_weights(d, lambda t: t.update({"layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)})), "layers.0.self_attn.q_proj.weight", "model.safetensors"),
+    "drafter-architecture": ("drafter", lambda d: _edit_config(d, architectures=["EagleModel"]), "architectures", "config.json"),
+    "target-architecture": ("target", lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]), "architectures", "config.json"),
+    "target-missing-key": ("target", lambda d: _edit_config(d, num_hidden_layers=None), "num_hidden_layers", "config.json"),
+    "target-rope-type": ("target", lambda d: _edit_config(d, rope_scaling={"rope_type": "yarn", "factor": 2.0}, rope_parameters=None), "rope_scaling.rope_type", "config.json"),
+    "target-pickle-only": ("target", _pickle_only, "pickle", "target"),
+    "target-bad-json": ("target", lambda d: (d / "config.json").write_text("{not json"), "not valid JSON", "config.json"),
+    "target-missing-weight": ("target", lambda d: _edit_weights(d, lambda t: t.pop("model.norm.weight")), "model.norm.weight", "target"),
+    "block-size-too-big": ("drafter", None, "block_size", "config.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_validation_error_is_one_line_naming_file_and_key_with_exit_code_2(tiny_dirs, tmp_path, capsys, case):
+    which, breaker, key, file_hint = CASES[case]
+    target, drafter = (shutil.copytree(d, tmp_path / d.name) for d in tiny_dirs)
+    if breaker is not None:
+        breaker(target if which == "target" else drafter)
+    extra = ["--block-size", 99] if case == "block-size-too-big" else []
+    rc, out, err = _run(capsys, "--target", target, "--drafter", drafter, "--prompt", "x", "--max-new-tokens", 2, *extra)
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert key in lines[0] and file_hint in lines[0], lines[0]
+    print(lines[0])
+
+
+def test_module_entry_point_reports_errors_with_exit_code_2(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "generate", "--target", str(tmp_path), "--no-drafter", "--prompt", "x"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [f"error: {tmp_path}: no config.json in this directory"]

@@ -1,0 +1,103 @@
+"""The torch models against independent references: transformers for targets, a naive loop for the drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import write_drafter, write_target
+from naive_dflash import naive_block_logits
+
+from dflash_trt.models.drafter import load_drafter
+from dflash_trt.models.target import load_target
+
+TARGETS = {
+    "llama-untied-gqa": dict(arch="llama"),
+    "llama-tied-llama3-rope": dict(
+        arch="llama",
+        tie=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        rope_theta=500000.0,
+    ),
+    "qwen3-head-dim-24": dict(arch="qwen3"),
+    "qwen3-tied-mha": dict(arch="qwen3", tie=True, num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_target_logits_and_features_equal_transformers_batched_and_paged(tmp_path, name):
+    spec = dict(TARGETS[name])
+    path = write_target(tmp_path / name, spec.pop("arch"), seed=3, **spec)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_target(path)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 19, 12)]
+    capture = (0, 2, 3)  # 3 is the last layer: HF's hidden_states[-1] is final-normed
+    with torch.no_grad():
+        refs = [hf(s[None], output_hidden_states=True) for s in seqs]
+    # Three sequences in one batch over a paged cache with 4-token pages, in two chunks each
+    # (a prefill, then a multi-token "verify"), so paging, varlen batching and cached keys all matter.
+    cache = ours.new_cache(num_pages=32, page_size=4)
+    for i in range(3):
+        cache.add_sequence(i)
+    cuts = [3, 11, 12]
+    with torch.no_grad():
+        logits, feats = [], []
+        for lo, hi in (([0, 0, 0], cuts), (cuts, [len(s) for s in seqs])):
+            batch = cache.prepare([0, 1, 2], [h - l for l, h in zip(lo, hi)])
+            tokens = torch.cat([s[l:h] for s, l, h in zip(seqs, lo, hi)])
+            lg, ft = ours(tokens, batch, cache, capture)
+            for i, n in enumerate(batch.q_lens):
+                cache.set_length(i, cache.lengths[i] + n)
+            logits.append(lg.split(batch.q_lens))
+            feats.append(ft.split(batch.q_lens))
+    for i, ref in enumerate(refs):
+        got_logits = torch.cat([logits[0][i], logits[1][i]])
+        got_feats = torch.cat([feats[0][i], feats[1][i]])
+        want_feats = torch.cat([ref.hidden_states[l + 1][0] for l in capture], dim=-1)
+        torch.testing.assert_close(got_logits, ref.logits[0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got_feats, want_feats, atol=2e-5, rtol=1e-4)
+
+
+DRAFTERS = {
+    "full-2-layers": dict(num_layers=2),
+    "one-layer-default-ids": dict(num_layers=1),
+    "sliding-window-causal": dict(num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+    "sliding-window-noncausal": dict(
+        num_layers=2, layer_types=["full_attention", "sliding_attention"], sliding_window=4, extra={"dflash_config": {"mask_token_id": 3, "causal": False}}
+    ),
+    "explicit-ids-block-in-dflash-config": dict(num_layers=2, target_layer_ids=[3, 0, 1], block_size_in_dflash_config=True),
+}
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_drafter_block_logits_equal_naive_recompute(tmp_path, name):
+    target_dir = write_target(tmp_path / "t", "qwen3", seed=1)
+    drafter_dir = write_drafter(tmp_path / name, target_dir, block_size=8, seed=2, **DRAFTERS[name])
+    target = load_target(target_dir)
+    drafter = load_drafter(drafter_dir, target.cfg)
+    ids = drafter.cfg.target_layer_ids
+    gen = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(0, 96, (n,), generator=gen) for n in (9, 14)]
+    with torch.no_grad():
+        features = []
+        for c in contexts:
+            tc = target.new_cache(8, 4)
+            tc.add_sequence(0)
+            features.append(target(c, tc.prepare([0], [len(c)]), tc, ids)[1])
+        # Inject each context in two uneven chunks (as successive verify steps would), batched.
+        cache = drafter.new_cache(num_pages=16, page_size=4)
+        for i in range(2):
+            cache.add_sequence(i)
+        for lo, hi in (([0, 0], [4, 9]), ([4, 9], [9, 14])):
+            batch = cache.prepare([0, 1], [h - l for l, h in zip(lo, hi)])
+            drafter.inject_context(torch.cat([f[l:h] for f, l, h in zip(features, lo, hi)]), batch.positions, batch.write_slots, cache)
+            for i in range(2):
+                cache.set_length(i, hi[i])
+        blocks = [[int(contexts[0][-1])] + [3] * 7, [int(contexts[1][-1])] + [3] * 4]  # different block lengths
+        batch = cache.prepare([0, 1], [len(b) for b in blocks])
+        hidden = drafter(target.embed(torch.tensor(sum(blocks, []))), batch, cache)
+        got = target.logits(hidden).split([len(b) for b in blocks])
+    for i, (c, f, b) in enumerate(zip(contexts, features, blocks)):
+        want = naive_block_logits(drafter_dir, target.model.embed_tokens.weight, target.lm_head_weight, f, b, start=len(c))
+        torch.testing.assert_close(got[i][1:], want, atol=1e-4, rtol=1e-4)
