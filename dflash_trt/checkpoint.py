@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -96,26 +96,39 @@ class SafetensorsCheckpoint:
             raise CheckpointError("tensor not found", file=self.directory, key=name)
         return self._open(self.weight_map[name]).get_tensor(name)
 
-    def load_exact(self, expected: dict[str, tuple[int, ...]], optional: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    def load_exact(self, expected: dict[str, tuple[int, ...]], ignore: set[str] = frozenset()) -> dict[str, torch.Tensor]:
         """Read exactly the tensors in `expected` (name → shape): missing, extra or misshapen ones are errors.
 
-        Names in `optional` may be absent or present (e.g. a tied lm_head.weight).
+        Names in `ignore` are tolerated when present and never read (e.g. a tied lm_head.weight).
         """
         for name in expected:
-            if name not in self.weight_map and name not in optional:
+            if name not in self.weight_map:
                 raise CheckpointError("required tensor is missing", file=self.directory, key=name)
         for name in self.weight_map:
-            if name not in expected:
+            if name not in expected and name not in ignore:
                 raise CheckpointError("unexpected tensor (not part of this architecture)", file=self.file_of(name), key=name)
         tensors = {}
         for name, shape in expected.items():
-            if name not in self.weight_map:
-                continue
             got = self.shape(name)
             if got != tuple(shape):
                 raise CheckpointError(f"shape {list(got)} != expected {list(shape)}", file=self.file_of(name), key=name)
             tensors[name] = self.get(name)
         return tensors
+
+
+def load_module(build: Callable[[], torch.nn.Module], directory: str | Path, dtype: torch.dtype, device, ignore: set[str] = frozenset()):
+    """Build a module on the meta device, fill it with exactly the checkpoint's tensors, move it to `device`."""
+    ckpt = SafetensorsCheckpoint(directory)
+    with torch.device("meta"):
+        model = build()
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tensors = ckpt.load_exact(expected, ignore=ignore)
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True, strict=True)
+    # Non-persistent buffers (rotary tables) were built on meta: rebuild them for real.
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    return model.to(device).eval().requires_grad_(False)
 
 
 @contextlib.contextmanager
@@ -131,6 +144,12 @@ def atomic_directory(dest: str | Path, force: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         yield tmp
+        # mkdtemp makes 0700 and safetensors writes 0600: give the output the umask's usual modes.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for path in tmp.rglob("*"):
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import fetch
+from . import bench, fetch
 from .errors import ConfigError, DFlashError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -92,7 +92,7 @@ def cmd_generate(args) -> int:
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     block = args.block_size or 16
     pages = args.kv_pages or max_batch * -(-(longest + block) // page_size)
-    backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], "cpu", pages, page_size, args.block_size)
+    backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], "cpu", pages, page_size, args.block_size, args.drafter_type)
     eos = set(target_cfg.eos_token_ids) | generation_eos_ids(args.target, tokenizer)
     gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, max_seq_len=target_cfg.max_position_embeddings)
     params = SamplingParams(
@@ -131,7 +131,7 @@ def cmd_generate(args) -> int:
     for o in outputs:
         for k, v in o.histogram().items():
             hist[k] = hist.get(k, 0) + v
-    mode = "autoregressive" if drafter_dir is None else f"dflash block={backend.block_size}"
+    mode = "autoregressive" if drafter_dir is None else f"{args.drafter_type} block={backend.block_size}"
     print(
         f"[{mode}] {len(outputs)} request(s), {total} tokens in {wall:.2f}s; "
         f"tau={tau:.2f} tokens/step; decode {decoded / decode_s if decode_s else 0:.1f} tokens/s; "
@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with the PyTorch reference runtime")
     g.add_argument("--target", required=True, help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
     g.add_argument("--drafter", help="DFlash drafter directory (released z-lab format)")
+    g.add_argument("--drafter-type", choices=["dflash", "eagle3"], default="dflash", help="eagle3: the EAGLE-3-style baseline drafter")
     g.add_argument("--tokenizer", help="tokenizer directory (default: --target)")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--prompts", help="file with one prompt per line, or .jsonl with 'prompt' / 'turns'")
@@ -169,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     fetch.register_cli(sub)
+    bench.register_cli(sub)
     return parser
 
 

@@ -247,23 +247,24 @@ def load_target_config(directory: str | Path) -> TargetConfig:
     return cfg
 
 
-def load_drafter_config(directory: str | Path) -> DrafterConfig:
+def load_drafter_config(directory: str | Path, architecture: str = DRAFTER_ARCHITECTURE) -> DrafterConfig:
+    """A DFlash drafter config (or, with `architecture`, another drafter using the same fields)."""
     path, raw = read_config_json(directory)
     reader = _Reader(path, raw)
-    reader.architecture([DRAFTER_ARCHITECTURE])
+    reader.architecture([architecture])
     dflash = raw.get("dflash_config", {}) or {}
     if not isinstance(dflash, dict):
         raise reader.error("dflash_config", f"expected an object, got {dflash!r}")
-    fields = reader.transformer_fields(DRAFTER_ARCHITECTURE, qk_norm=True)
+    fields = reader.transformer_fields(architecture, qk_norm=architecture == DRAFTER_ARCHITECTURE)
 
     # Older checkpoints put block_size at the top level, newer ones inside dflash_config.
     if "block_size" in dflash:
         block_size = reader.int("block_size", src=dflash, minimum=2)
     else:
         block_size = reader.int("block_size", 16, minimum=2)
-    if "mask_token_id" not in dflash:
+    if "mask_token_id" not in dflash and architecture == DRAFTER_ARCHITECTURE:
         raise reader.error("dflash_config.mask_token_id", "required key is missing")
-    mask_token_id = reader.int("mask_token_id", src=dflash, minimum=0)
+    mask_token_id = reader.int("mask_token_id", 0, src=dflash, minimum=0)
     num_target_layers = reader.int("num_target_layers", None)
 
     ids = dflash.get("target_layer_ids")

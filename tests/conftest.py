@@ -149,3 +149,28 @@ def tiny_dirs(tmp_path_factory):
     write_tokenizer(target, TINY["vocab_size"])
     drafter = write_drafter(root / "drafter", target, num_layers=2, block_size=8)
     return target, drafter
+
+
+def write_eagle(path: Path, target_dir: Path, block_size: int = 8, seed: int = 0, target_layer_ids=(0, 1, 3)) -> Path:
+    """A random EAGLE-3-style baseline drafter in our format."""
+    from dflash_trt.config import check_pair
+    from dflash_trt.models.eagle import EAGLE_ARCHITECTURE, Eagle3Drafter, load_eagle_config
+
+    target_raw = json.loads((target_dir / "config.json").read_text())
+    raw = {
+        "architectures": [EAGLE_ARCHITECTURE], "block_size": block_size, "dflash_config": {"target_layer_ids": list(target_layer_ids)},
+        "num_target_layers": target_raw["num_hidden_layers"], "hidden_size": target_raw["hidden_size"], "intermediate_size": 96,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": target_raw["vocab_size"], "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512, "hidden_act": "silu",
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    cfg = check_pair(load_target_config(target_dir), load_eagle_config(path))
+    torch.manual_seed(seed + 200)
+    model = Eagle3Drafter(cfg, len(cfg.target_layer_ids) * target_raw["hidden_size"])
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(seed + 201)
+    for name, t in state.items():
+        t.copy_(1 + 0.2 * torch.randn(t.shape, generator=gen) if "norm" in name else 0.15 * torch.randn(t.shape, generator=gen))
+    save_file(state, str(path / "model.safetensors"))
+    return path

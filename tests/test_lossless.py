@@ -190,3 +190,67 @@ def test_drafts_inside_the_loop_equal_naive_drafts_recomputed_from_scratch(setup
             features = target(torch.tensor(committed), cache.prepare([0], [length]), cache, ids)[1]
         logits = naive_block_logits(drafters["full"], target.model.embed_tokens.weight, target.lm_head_weight, features, [last] + [3] * k, start=length)
         assert logits.argmax(-1).tolist() == drafted
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("block", [2, 4, 8])
+def test_eagle_baseline_is_lossless_with_long_acceptances(setup, tmp_path, batch, block):
+    from conftest import write_eagle
+
+    from dflash_trt.models.eagle import load_eagle_drafter
+
+    targets, drafters, prompts, refs, models = setup
+    eagle = load_eagle_drafter(write_eagle(tmp_path / "eagle", targets["llama"], block_size=8), models["llama"].cfg)
+    inner = TorchBackend(models["llama"], eagle, num_pages=512, page_size=4, block_size=block)
+    backend = OracleDrafts(inner, prompts, refs["llama"], seed=block + batch)
+    outs = Generator(backend, max_batch=batch).generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [o.output_ids for o in outs] == refs["llama"]
+    assert inner.drafter_cache.num_free_pages == inner.drafter_cache.num_pages
+
+
+def test_eagle_chain_drafts_equal_a_full_recompute(setup, tmp_path):
+    """The cached chain (context pairs injected step by step, scratch dropped) proposes what a
+    from-scratch causal recompute over [true pairs ; own chain] proposes."""
+    import torch.nn.functional as F
+    from conftest import write_eagle
+
+    from dflash_trt.models.eagle import load_eagle_drafter
+
+    targets, drafters, prompts, refs, models = setup
+    target = models["llama"]
+    eagle = load_eagle_drafter(write_eagle(tmp_path / "eagle", targets["llama"], block_size=6), target.cfg)
+    backend = OracleDrafts(TorchBackend(target, eagle, num_pages=512, page_size=4), prompts, refs["llama"], seed=9)
+    calls, real_draft = [], backend.inner.draft
+
+    def recording_draft(seq_ids, last_tokens, num_drafts):
+        lengths = [backend.inner.target_cache.lengths[s] for s in seq_ids]
+        out = real_draft(seq_ids, last_tokens, num_drafts)
+        calls.extend(zip(seq_ids, lengths, last_tokens, out))
+        return out
+
+    backend.inner.draft = recording_draft
+    Generator(backend, max_batch=3).generate(prompts[:3], SamplingParams(max_new_tokens=MAX_NEW))
+    cfg, embed = eagle.cfg, target.model.embed_tokens.weight
+    for seq, length, last, drafted in calls[::2]:
+        committed = (prompts[seq] + refs["llama"][seq])[:length]
+        cache = target.new_cache(32, 4)
+        cache.add_sequence(0)
+        with torch.no_grad():
+            feats = target(torch.tensor(committed), cache.prepare([0], [length]), cache, cfg.target_layer_ids)[1]
+            hidden = eagle.fuse(feats)  # [length, H] for pairs at positions 0..length-1
+            tokens = committed[1:] + [last]
+            want = []
+            for _ in drafted:  # recompute every pair from scratch, causal attention over all of them
+                n = len(tokens)
+                cos, sin = eagle.rotary(torch.arange(n), hidden.dtype)
+
+                def attend(q, k, v):
+                    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True)
+                    return out.transpose(0, 1).reshape(n, -1)
+
+                h = eagle.layer(embed[torch.tensor(tokens)], hidden, cos, sin, attend)
+                nxt = int(target.logits(eagle.norm(h[-1:])).argmax())
+                want.append(nxt)
+                hidden = torch.cat([hidden, h[-1:]])
+                tokens = tokens + [nxt]
+        assert want == drafted

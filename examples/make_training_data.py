@@ -1,0 +1,102 @@
+"""Training data for the drafters: the target's own greedy answers to training prompts, with its features.
+
+For every prompt (chat template applied) the target generates greedily (batched, fp32,
+our reference runtime); we keep the token ids, which of them the target produced (the
+supervised positions) and the target features at `--layer-ids` for every token, the
+context a drafter sees at run time. Output: shards of safetensors under --out.
+
+    python examples/make_training_data.py --target $(dflash-trt fetch-models --quiet) --out data/train
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from dflash_trt.cli import encode_prompt, load_tokenizer
+from dflash_trt.config import build_target_layer_ids, load_target_config
+from dflash_trt.models.target import load_target
+from dflash_trt.prompts import load_train_prompts
+from dflash_trt.runtime import Generator
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.torch_backend import TorchBackend
+
+
+class FeatureKeepingBackend(TorchBackend):
+    """Keeps each finished sequence's target features instead of dropping them on release."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.finished: dict[int, torch.Tensor] = {}
+
+    def release(self, seq_id: int) -> None:
+        self.finished[seq_id] = self.pending_features(seq_id).to(torch.bfloat16)
+        super().release(seq_id)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--mix", default="code=700,gsm=700,chat=500,multilingual=300", help="domain=count,...")
+    ap.add_argument("--layer-ids", default=None, help="comma-separated target layer ids (default: the 3-layer formula)")
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16 doubles batched throughput on AMX CPUs")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    cfg = load_target_config(args.target)
+    layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else build_target_layer_ids(cfg.num_layers, 3)
+    tok = load_tokenizer(args.target)
+    prompts = []
+    for item in args.mix.split(","):
+        domain, count = item.split("=")
+        prompts += load_train_prompts(domain, int(count), seed=0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    target = load_target(args.target, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    eos = set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    start, shard, total_tokens = time.time(), 0, 0
+    bar = tqdm(total=len(prompts), desc="generate", unit="prompt")
+    for lo in range(0, len(prompts), args.shard_size):
+        chunk = prompts[lo : lo + args.shard_size]
+        ids = [encode_prompt(tok, p.text, chat=True) for p in chunk]
+        pages = args.batch * -(-(max(map(len, ids)) + args.max_new_tokens + 1) // 16)
+        backend = FeatureKeepingBackend(target, None, num_pages=pages, page_size=16, capture_layers=tuple(layer_ids))
+        gen = Generator(backend, eos_token_ids=eos, max_batch=args.batch)
+        # The whole shard at once: continuous batching refills the batch as answers finish.
+        outs = gen.generate(ids, params, on_token=None)
+        bar.update(len(ids))
+        tensors, meta = {}, []
+        for k, (p, o) in enumerate(zip(chunk, outs)):
+            tokens = o.prompt_ids + o.output_ids
+            feats = backend.finished[o.seq_id]  # [len(tokens) - 1, F]: the last token never entered the cache
+            assert feats.shape[0] == len(tokens) - 1
+            tensors[f"{k}.tokens"] = torch.tensor(tokens, dtype=torch.int32)
+            tensors[f"{k}.features"] = feats.contiguous()
+            meta.append({"id": p.id, "domain": p.domain, "prompt_len": len(o.prompt_ids), "output_len": len(o.output_ids)})
+            total_tokens += len(o.output_ids)
+        save_file(tensors, str(out / f"shard-{shard:04d}.safetensors"))
+        (out / f"shard-{shard:04d}.json").write_text(json.dumps(meta))
+        shard += 1
+        bar.set_postfix(gen_tokens=total_tokens, tok_s=f"{total_tokens / (time.time() - start):.0f}")
+    bar.close()
+    (out / "info.json").write_text(json.dumps({
+        "target": str(args.target), "layer_ids": layer_ids, "mix": args.mix, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+        "sequences": len(prompts), "generated_tokens": total_tokens, "wall_s": round(time.time() - start, 1),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Train a DFlash drafter on features from examples/make_training_data.py; export the released format.
+
+The recipe of the paper as SpecForge implements it (reference/dflash-peers.md §2): the target
+is frozen (its features are precomputed, its embedding and lm_head shared); per sequence many
+random anchors a in the target's own answer; each block is [token_a, mask × (B-1)] at
+positions a..a+B-1; its context is the features of positions strictly before a; the block
+attends bidirectionally within itself; slot k predicts token a+k with loss weight
+exp(-(k-1)/γ), γ = 7 for B = 16.
+
+    python examples/train_dflash.py --target TARGET --data data/train --out examples/drafters/smollm2-dflash-b16
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from train_common import common_args, export, fit, load_shards, model_card
+
+from dflash_trt.config import DrafterConfig, RopeConfig, load_target_config
+from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.models.layers import apply_rope
+from dflash_trt.models.target import load_target
+
+
+def drafter_config(target_dir: Path, layer_ids: list[int], num_layers: int, block_size: int, mask_token_id: int) -> dict:
+    """The released z-lab config for a drafter as wide as the target (its embedding feeds the block)."""
+    cfg = load_target_config(target_dir)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": block_size,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids},
+        "num_target_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope.theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * num_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def build_drafter(raw_cfg: dict, path: str) -> DFlashDrafter:
+    rope = RopeConfig(theta=raw_cfg["rope_theta"])
+    cfg = DrafterConfig(
+        path=path, architecture="DFlashDraftModel", hidden_size=raw_cfg["hidden_size"], intermediate_size=raw_cfg["intermediate_size"],
+        num_layers=raw_cfg["num_hidden_layers"], num_heads=raw_cfg["num_attention_heads"], num_kv_heads=raw_cfg["num_key_value_heads"],
+        head_dim=raw_cfg["head_dim"], vocab_size=raw_cfg["vocab_size"], rms_norm_eps=raw_cfg["rms_norm_eps"], rope=rope,
+        max_position_embeddings=raw_cfg["max_position_embeddings"], qk_norm=True, attention_bias=False, mlp_bias=False,
+        block_size=raw_cfg["block_size"], mask_token_id=raw_cfg["dflash_config"]["mask_token_id"],
+        target_layer_ids=tuple(raw_cfg["dflash_config"]["target_layer_ids"]), num_target_layers=raw_cfg["num_target_layers"],
+        layer_types=tuple(raw_cfg["layer_types"]),
+    )
+    return DFlashDrafter(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
+
+
+def init_from_target(drafter: DFlashDrafter, target) -> None:
+    """Start each draft layer from one of the target's last layers (same shapes): a head start
+    over random init; q/k norms start at ones, the final norm from the target's."""
+    n = len(target.model.layers)
+    src = {k: v for k, v in target.state_dict().items()}
+    with torch.no_grad():
+        for i, layer in enumerate(drafter.layers):
+            j = n - len(drafter.layers) + i
+            for name, p in layer.named_parameters():
+                key = f"model.layers.{j}.{name}"
+                if key in src and src[key].shape == p.shape:
+                    p.copy_(src[key])
+        drafter.norm.weight.copy_(target.model.norm.weight)
+
+
+def dflash_loss(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, seq: dict, num_anchors: int, gamma: float, rng: random.Random):
+    """Weighted CE over the blocks of `num_anchors` random anchors of one sequence. Returns (loss, accuracy of slot 1)."""
+    cfg = drafter.cfg
+    B = cfg.block_size
+    tokens, feats, n_prompt = seq["tokens"], seq["features"], seq["prompt_len"]
+    L = len(tokens)
+    candidates = list(range(n_prompt, L - 1))  # anchor = a committed answer token with a successor
+    if not candidates:
+        return None
+    anchors = sorted(rng.sample(candidates, min(num_anchors, len(candidates))))
+    A = len(anchors)
+    anchor_t = torch.tensor(anchors)
+    slot = torch.arange(B)
+    q_pos = (anchor_t[:, None] + slot[None]).reshape(-1)  # [A*B]
+    block_ids = torch.full((A, B), cfg.mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = tokens[anchor_t]
+    label_pos = anchor_t[:, None] + slot[None]
+    labels = torch.where(label_pos < L, tokens[label_pos.clamp(max=L - 1)], -100)
+    labels[:, 0] = -100  # slot 0 is the known anchor token
+
+    C = feats.shape[0]  # context positions 0..C-1 (C = L - 1)
+    ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))  # [C, H]
+    x = F.embedding(block_ids.reshape(-1), embed)  # [A*B, H]
+    cos_q, sin_q = drafter.rotary(q_pos, x.dtype)
+    cos_c, sin_c = drafter.rotary(torch.arange(C), x.dtype)
+    # mask [A*B, C + A*B]: context strictly before the block's anchor; the block sees its own slots
+    q_anchor = anchor_t.repeat_interleave(B)
+    ctx_visible = torch.arange(C)[None, :] < q_anchor[:, None]
+    blk = torch.arange(A).repeat_interleave(B)
+    blk_visible = blk[:, None] == blk[None, :]
+    mask = torch.cat([ctx_visible, blk_visible], dim=1)
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        q, k_blk, v_blk = attn.qkv(layer.input_layernorm(x), cos_q, sin_q)
+        k_ctx = apply_rope(attn.k_norm(attn.k_proj(ctx).view(C, nkv, hd)), cos_c, sin_c)
+        v_ctx = attn.v_proj(ctx).view(C, nkv, hd)
+        k = torch.cat([k_ctx, k_blk]).transpose(0, 1)[None]
+        v = torch.cat([v_ctx, v_blk]).transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask[None, None], enable_gqa=nh != nkv)
+        x = x + attn.o_proj(out[0].transpose(0, 1).reshape(-1, nh * hd))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    h = drafter.norm(x).view(A, B, -1)[:, 1:]  # slots 1..B-1
+    y = labels[:, 1:]
+    valid = y >= 0
+    logits = F.linear(h[valid], lm_head).float()
+    weights = torch.exp(-(slot[1:].float() - 1) / gamma)[None].expand(A, -1)[valid]
+    ce = F.cross_entropy(logits, y[valid], reduction="none")
+    loss = (ce * weights).sum() / weights.sum()
+    first = valid[:, 0]
+    acc1 = (logits.argmax(-1)[: int(first.sum())] == y[first, 0]).float().mean() if first.any() else torch.tensor(0.0)
+    return loss, float(acc1)
+
+
+def main(argv=None) -> None:
+    ap = common_args(__doc__)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--gamma", type=float, default=7.0)
+    ap.add_argument("--mask-token-id", type=int, required=True)
+    ap.add_argument("--anchors", type=int, default=32, help="random anchors per sequence")
+    ap.add_argument("--init", choices=["target", "random"], default="target")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    info = json.loads((Path(args.data) / "info.json").read_text())
+    seqs = load_shards(Path(args.data))
+    target = load_target(args.target)
+    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head_weight.detach()
+    raw_cfg = drafter_config(Path(args.target), info["layer_ids"], args.layers, args.block_size, args.mask_token_id)
+    drafter = build_drafter(raw_cfg, str(args.out))
+    if args.init == "target":
+        init_from_target(drafter, target)
+    run = fit(drafter, lambda seq, rng: dflash_loss(drafter, embed, lm_head, seq, args.anchors, args.gamma, rng), seqs, args, "DFlash drafter")
+    card = model_card(
+        f"DFlash drafter for {Path(args.target).name}", "train_dflash.py", info, run, args,
+        [f"{args.layers} layers, block size {args.block_size}, mask token id {args.mask_token_id}, target_layer_ids {info['layer_ids']}",
+         f"{args.anchors} random anchors per sequence, loss weight exp(-(k-1)/{args.gamma}), init from {args.init}"],
+    )
+    export(drafter, raw_cfg, Path(args.out), card, args.force)
+    print(f"wrote {args.out} after {run['wall_s'] / 60:.1f} min", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Train the EAGLE-3-style baseline drafter on the same data and budget as train_dflash.py.
+
+One decoder layer over pairs (fused target features g_p, token x_{p+1}) predicting x_{p+2},
+trained with EAGLE-3's training-time test: step k (k = 0..K-1) replaces the features by
+the layer's own output of step k-1 at the previous position, exactly what chain drafting
+feeds it at run time; position q at step k sees the true context up to q-k and its own
+chain of earlier steps. Tokens are the ground truth (the target's own greedy answer).
+
+    python examples/train_eagle3.py --target TARGET --data data/train --out examples/drafters/smollm2-eagle3
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from train_common import common_args, export, fit, load_shards, model_card
+
+from dflash_trt.config import DrafterConfig, RopeConfig, load_target_config
+from dflash_trt.models.eagle import EAGLE_ARCHITECTURE, Eagle3Drafter
+from dflash_trt.models.target import load_target
+
+
+def eagle_config(target_dir: Path, layer_ids: list[int], intermediate_size: int, max_chain: int) -> dict:
+    cfg = load_target_config(target_dir)
+    return {
+        "architectures": [EAGLE_ARCHITECTURE],
+        "block_size": max_chain + 1,  # verify width: last token + the chain
+        "dflash_config": {"target_layer_ids": layer_ids},
+        "num_target_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope.theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+    }
+
+
+def build_eagle(raw: dict, path: str) -> Eagle3Drafter:
+    cfg = DrafterConfig(
+        path=path, architecture=EAGLE_ARCHITECTURE, hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        num_layers=1, num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"],
+        vocab_size=raw["vocab_size"], rms_norm_eps=raw["rms_norm_eps"], rope=RopeConfig(theta=raw["rope_theta"]),
+        max_position_embeddings=raw["max_position_embeddings"], qk_norm=False, attention_bias=False, mlp_bias=False,
+        block_size=raw["block_size"], target_layer_ids=tuple(raw["dflash_config"]["target_layer_ids"]),
+        num_target_layers=raw["num_target_layers"], layer_types=("full_attention",),
+    )
+    return Eagle3Drafter(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
+
+
+def eagle_loss(model: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, seq: dict, ttt_steps: int):
+    """Mean CE over TTT steps of the answer-token predictions of one sequence. Returns (loss, step-0 accuracy)."""
+    cfg = model.cfg
+    tokens, feats, n_prompt = seq["tokens"], seq["features"], seq["prompt_len"]
+    P = feats.shape[0] - 1  # pair positions p = 0..P-1: (g_p, x_{p+1}) → x_{p+2}
+    if P < 2:
+        return None
+    pos = torch.arange(P)
+    labels = tokens[pos + 2]
+    supervised = pos + 2 >= n_prompt
+    e = F.embedding(tokens[pos + 1], embed)
+    cos, sin = model.rotary(pos, e.dtype)
+    hidden = model.fuse(feats[:P])
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    keys, values, losses, acc0 = [], [], [], 0.0
+    for k in range(ttt_steps):
+        if k > 0:  # the previous step's output at the previous position stands in for the features
+            hidden = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+
+        def attend(q, kk, v):
+            keys.append(kk)
+            values.append(v)
+            # step 0 keys: positions <= q - k; step j >= 1 keys: exactly position q - k + j
+            masks = [pos[None, :] <= (pos[:, None] - k)] + [pos[None, :] == (pos[:, None] - k + j) for j in range(1, k + 1)]
+            mask = torch.cat(masks, dim=1)
+            mask[:, 0] |= ~mask.any(dim=1)  # rows with nothing visible (q < k) are dropped from the loss anyway
+            K = torch.cat(keys).transpose(0, 1)[None]
+            V = torch.cat(values).transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], K, V, attn_mask=mask[None, None], enable_gqa=nh != nkv)
+            return out[0].transpose(0, 1).reshape(-1, nh * hd)
+
+        hidden = model.layer(e, hidden, cos, sin, attend)
+        valid = supervised & (pos >= k)
+        if not valid.any():
+            return None
+        logits = F.linear(model.norm(hidden[valid]), lm_head).float()
+        losses.append(F.cross_entropy(logits, labels[valid]))
+        if k == 0:
+            acc0 = float((logits.argmax(-1) == labels[valid]).float().mean())
+    return torch.stack(losses).mean(), acc0
+
+
+def main(argv=None) -> None:
+    ap = common_args(__doc__)
+    ap.add_argument("--intermediate-size", type=int, default=3264, help="MLP width; 3264 matches the 2-layer DFlash drafter's parameter count")
+    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--max-chain", type=int, default=7, help="drafts per step at run time (block_size - 1)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    info = json.loads((Path(args.data) / "info.json").read_text())
+    seqs = load_shards(Path(args.data))
+    target = load_target(args.target)
+    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head_weight.detach()
+    raw = eagle_config(Path(args.target), info["layer_ids"], args.intermediate_size, args.max_chain)
+    model = build_eagle(raw, str(args.out))
+    with torch.no_grad():
+        model.norm.weight.copy_(target.model.norm.weight)
+    run = fit(model, lambda seq, rng: eagle_loss(model, embed, lm_head, seq, args.ttt_steps), seqs, args, "EAGLE-3-style drafter")
+    card = model_card(
+        f"EAGLE-3-style baseline drafter for {Path(args.target).name}", "train_eagle3.py", info, run, args,
+        [f"1 decoder layer over [embedding ; fused features of layers {info['layer_ids']}], MLP width {args.intermediate_size}",
+         f"training-time test with {args.ttt_steps} steps; chain of up to {args.max_chain} drafts at run time"],
+    )
+    export(model, raw, Path(args.out), card, args.force)
+    print(f"wrote {args.out} after {run['wall_s'] / 60:.1f} min", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
