@@ -20,9 +20,10 @@ setup(
     extras_require={
         "trt": ["tensorrt_llm", "tensorrt", "nvidia-modelopt"],
         "mpi": ["mpi4py"],
-        # fetch-models converts a GGUF checkpoint once, through transformers' GGUF loader
-        "fetch": ["gguf>=0.10", "accelerate"],
-        "dev": ["pytest>=8", "scipy", "gguf>=0.10", "accelerate"],
+        # fetch-models converts a GGUF checkpoint once, through transformers' GGUF loader;
+        # the GSM-Symbolic prompt sets are reasoning-gym's generators; bench plots with matplotlib
+        "fetch": ["gguf>=0.10", "accelerate", "reasoning-gym==0.1.25", "pyyaml", "matplotlib"],
+        "dev": ["pytest>=8", "scipy", "gguf>=0.10", "accelerate", "reasoning-gym==0.1.25", "pyyaml", "matplotlib"],
     },
     entry_points={"console_scripts": ["dflash-trt=dflash_trt.cli:main"]},
 )

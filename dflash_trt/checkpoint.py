@@ -123,7 +123,7 @@ def load_module(build: Callable[[], torch.nn.Module], directory: str | Path, dty
         model = build()
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     tensors = ckpt.load_exact(expected, ignore=ignore)
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True, strict=True)
+    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}, assign=True, strict=True)
     # Non-persistent buffers (rotary tables) were built on meta: rebuild them for real.
     for module in model.modules():
         if hasattr(module, "reset_buffers"):

@@ -68,6 +68,7 @@ class DrafterConfig(TransformerConfig):
     layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
     sliding_window: int | None = None
     causal_override: bool | None = None  # dflash_config.causal / is_causal, when given
+    draft_vocab_size: int | None = None  # drafts only from this many tokens (tensor `d2t`), EAGLE-3 style
 
     def layer_is_causal(self, layer: int) -> bool:
         """Full-attention layers are bidirectional; sliding layers are causal unless overridden
@@ -250,6 +251,12 @@ def load_target_config(directory: str | Path) -> TargetConfig:
 def load_drafter_config(directory: str | Path, architecture: str = DRAFTER_ARCHITECTURE) -> DrafterConfig:
     """A DFlash drafter config (or, with `architecture`, another drafter using the same fields)."""
     path, raw = read_config_json(directory)
+    return parse_drafter_config(raw, path, architecture)
+
+
+def parse_drafter_config(raw: dict[str, Any], path: str | Path, architecture: str = DRAFTER_ARCHITECTURE) -> DrafterConfig:
+    """The same, from a dict (`path` names it in errors), e.g. a config a trainer is about to write."""
+    path = Path(path)
     reader = _Reader(path, raw)
     reader.architecture([architecture])
     dflash = raw.get("dflash_config", {}) or {}
@@ -305,6 +312,7 @@ def load_drafter_config(directory: str | Path, architecture: str = DRAFTER_ARCHI
         layer_types=tuple(layer_types),
         sliding_window=sliding_window,
         causal_override=causal,
+        draft_vocab_size=reader.int("draft_vocab_size", None),
     )
 
 
@@ -321,6 +329,8 @@ def check_pair(target: TargetConfig, drafter: DrafterConfig) -> DrafterConfig:
         raise fail("hidden_size", f"drafter hidden_size={drafter.hidden_size} != target hidden_size={target.hidden_size}")
     if drafter.vocab_size != target.vocab_size:
         raise fail("vocab_size", f"drafter vocab_size={drafter.vocab_size} != target vocab_size={target.vocab_size}")
+    if drafter.draft_vocab_size is not None and drafter.draft_vocab_size > target.vocab_size:
+        raise fail("draft_vocab_size", f"draft_vocab_size={drafter.draft_vocab_size} > target vocab_size={target.vocab_size}")
     if drafter.mask_token_id >= target.vocab_size:
         raise fail("dflash_config.mask_token_id", f"mask_token_id={drafter.mask_token_id} >= vocab_size={target.vocab_size}")
     if drafter.num_target_layers is not None and drafter.num_target_layers != target.num_layers:

@@ -16,6 +16,7 @@ import torch
 from .errors import ConfigError
 from .models.drafter import DFlashDrafter
 from .models.eagle import Eagle3Drafter
+from .models.layers import draft_vocab_head
 from .models.target import TargetModel
 
 
@@ -49,6 +50,7 @@ class TorchBackend:
                 )
             self.capture_layers = tuple(drafter.cfg.target_layer_ids)
             self.drafter_cache = drafter.new_cache(num_pages, page_size)
+            self._draft_head, self._draft_ids = draft_vocab_head(target.lm_head_weight, drafter.d2t)
         self.max_drafts = self.block_size - 1
         self._pending: dict[int, list[torch.Tensor]] = {}
         self._pending_tokens: dict[int, list[int]] = {}
@@ -123,6 +125,11 @@ class TorchBackend:
             self.drafter_cache.set_length(s, self.target_cache.lengths[s])
         return drafted
 
+    def _draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed drafter hidden [n, H] → greedy draft token ids [n] (over the draft vocabulary)."""
+        best = torch.nn.functional.linear(hidden, self._draft_head).argmax(dim=-1)
+        return best if self._draft_ids is None else self._draft_ids[best]
+
     def _take_pending(self, seq_ids: list[int]):
         """(lengths, features [T, F], token ids at those positions) of every pending context token, batched."""
         lens = [len(self._pending_tokens[s]) for s in seq_ids]
@@ -153,7 +160,7 @@ class TorchBackend:
         # Slot j of a block predicts the token at position start + j; slot 0 predicts nothing.
         starts = torch.tensor(sizes).cumsum(0) - torch.tensor(sizes)
         rows = torch.cat([torch.arange(s + 1, s + n) for s, n in zip(starts.tolist(), sizes)])
-        drafted = self.target.logits(hidden[rows]).argmax(dim=-1).tolist()
+        drafted = self._draft_tokens(hidden[rows]).tolist()
         out, i = [], 0
         for k in num_drafts:
             out.append(drafted[i : i + k])
@@ -171,7 +178,7 @@ class TorchBackend:
         self._advance(seq_ids, lens)
         last_rows = torch.tensor(lens).cumsum(0) - 1
         h = hidden[last_rows].clone()  # [B, H]
-        token = self.target.logits(drafter.norm(h)).argmax(dim=-1)
+        token = self._draft_tokens(drafter.norm(h))
         out = [[int(t)] if k else [] for t, k in zip(token, num_drafts)]
         # 2. The chain: (own hidden, own token) one position further, for sequences still drafting.
         for step in range(1, max(num_drafts)):
@@ -180,7 +187,7 @@ class TorchBackend:
             batch = cache.prepare(ids, [1] * len(ids))
             h[live] = drafter(embed(token[live]), h[live], batch, cache)
             self._advance(ids, [1] * len(ids))
-            token[live] = self.target.logits(drafter.norm(h[live])).argmax(dim=-1)
+            token[live] = self._draft_tokens(drafter.norm(h[live]))
             for i in live:
                 out[i].append(int(token[i]))
         return out

@@ -40,8 +40,19 @@ def common_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=float, default=0.04)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="draft only from the N most frequent answer tokens (d2t); 0 = full vocabulary")
     ap.add_argument("--force", action="store_true")
     return ap
+
+
+def draft_vocab(seqs: list[dict], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """EAGLE-3's d2t for the `size` most frequent answer tokens (draft id i → target id i + d2t[i]),
+    and the fraction of answer tokens they cover."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s["tokens"][s["prompt_len"]:], minlength=vocab_size)
+    ids = counts.topk(size).indices.sort().values
+    return ids - torch.arange(size), float(counts[ids].sum() / counts.sum())
 
 
 def fit(model: torch.nn.Module, loss_fn: Callable, seqs: list[dict], args, name: str) -> dict:
@@ -108,6 +119,6 @@ def export(model: torch.nn.Module, raw_cfg: dict, out: Path, card: str, force: b
     """config.json + bf16 model.safetensors + README.md, written atomically."""
     with atomic_directory(out, force=force) as tmp:
         (tmp / "config.json").write_text(json.dumps(raw_cfg, indent=2) + "\n")
-        state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+        state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "README.md").write_text(card)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_common import common_args, export, fit, load_shards, model_card
+from train_common import common_args, draft_vocab, export, fit, load_shards, model_card
 
-from dflash_trt.config import DrafterConfig, RopeConfig, load_target_config
+from dflash_trt.config import load_target_config, parse_drafter_config
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.layers import apply_rope
 from dflash_trt.models.target import load_target
@@ -54,20 +54,6 @@ def drafter_config(target_dir: Path, layer_ids: list[int], num_layers: int, bloc
         "sliding_window": None,
         "torch_dtype": "bfloat16",
     }
-
-
-def build_drafter(raw_cfg: dict, path: str) -> DFlashDrafter:
-    rope = RopeConfig(theta=raw_cfg["rope_theta"])
-    cfg = DrafterConfig(
-        path=path, architecture="DFlashDraftModel", hidden_size=raw_cfg["hidden_size"], intermediate_size=raw_cfg["intermediate_size"],
-        num_layers=raw_cfg["num_hidden_layers"], num_heads=raw_cfg["num_attention_heads"], num_kv_heads=raw_cfg["num_key_value_heads"],
-        head_dim=raw_cfg["head_dim"], vocab_size=raw_cfg["vocab_size"], rms_norm_eps=raw_cfg["rms_norm_eps"], rope=rope,
-        max_position_embeddings=raw_cfg["max_position_embeddings"], qk_norm=True, attention_bias=False, mlp_bias=False,
-        block_size=raw_cfg["block_size"], mask_token_id=raw_cfg["dflash_config"]["mask_token_id"],
-        target_layer_ids=tuple(raw_cfg["dflash_config"]["target_layer_ids"]), num_target_layers=raw_cfg["num_target_layers"],
-        layer_types=tuple(raw_cfg["layer_types"]),
-    )
-    return DFlashDrafter(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
 
 
 def init_from_target(drafter: DFlashDrafter, target) -> None:
@@ -155,17 +141,26 @@ def main(argv=None) -> None:
     target = load_target(args.target)
     embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head_weight.detach()
     raw_cfg = drafter_config(Path(args.target), info["layer_ids"], args.layers, args.block_size, args.mask_token_id)
-    drafter = build_drafter(raw_cfg, str(args.out))
+    coverage = 1.0
+    if args.draft_vocab:
+        d2t, coverage = draft_vocab(seqs, args.draft_vocab, raw_cfg["vocab_size"])
+        raw_cfg["draft_vocab_size"] = args.draft_vocab
+    cfg = parse_drafter_config(raw_cfg, Path(args.out) / "config.json")
+    drafter = DFlashDrafter(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
+    if args.draft_vocab:
+        drafter.d2t.copy_(d2t)
     if args.init == "target":
         init_from_target(drafter, target)
     run = fit(drafter, lambda seq, rng: dflash_loss(drafter, embed, lm_head, seq, args.anchors, args.gamma, rng), seqs, args, "DFlash drafter")
     card = model_card(
         f"DFlash drafter for {Path(args.target).name}", "train_dflash.py", info, run, args,
         [f"{args.layers} layers, block size {args.block_size}, mask token id {args.mask_token_id}, target_layer_ids {info['layer_ids']}",
-         f"{args.anchors} random anchors per sequence, loss weight exp(-(k-1)/{args.gamma}), init from {args.init}"],
+         f"{args.anchors} random anchors per sequence, loss weight exp(-(k-1)/{args.gamma}), init from {args.init}",
+         f"draft vocabulary: {args.draft_vocab or 'all'} tokens (d2t), covering {coverage:.1%} of answer tokens"],
     )
     export(drafter, raw_cfg, Path(args.out), card, args.force)
     print(f"wrote {args.out} after {run['wall_s'] / 60:.1f} min", file=sys.stderr)
+    return run
 
 
 if __name__ == "__main__":

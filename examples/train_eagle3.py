@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_common import common_args, export, fit, load_shards, model_card
+from train_common import common_args, draft_vocab, export, fit, load_shards, model_card
 
-from dflash_trt.config import DrafterConfig, RopeConfig, load_target_config
+from dflash_trt.config import load_target_config, parse_drafter_config
 from dflash_trt.models.eagle import EAGLE_ARCHITECTURE, Eagle3Drafter
 from dflash_trt.models.target import load_target
 
@@ -44,18 +44,6 @@ def eagle_config(target_dir: Path, layer_ids: list[int], intermediate_size: int,
         "hidden_act": "silu",
         "torch_dtype": "bfloat16",
     }
-
-
-def build_eagle(raw: dict, path: str) -> Eagle3Drafter:
-    cfg = DrafterConfig(
-        path=path, architecture=EAGLE_ARCHITECTURE, hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-        num_layers=1, num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"],
-        vocab_size=raw["vocab_size"], rms_norm_eps=raw["rms_norm_eps"], rope=RopeConfig(theta=raw["rope_theta"]),
-        max_position_embeddings=raw["max_position_embeddings"], qk_norm=False, attention_bias=False, mlp_bias=False,
-        block_size=raw["block_size"], target_layer_ids=tuple(raw["dflash_config"]["target_layer_ids"]),
-        num_target_layers=raw["num_target_layers"], layer_types=("full_attention",),
-    )
-    return Eagle3Drafter(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
 
 
 def eagle_loss(model: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, seq: dict, ttt_steps: int):
@@ -113,17 +101,26 @@ def main(argv=None) -> None:
     target = load_target(args.target)
     embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head_weight.detach()
     raw = eagle_config(Path(args.target), info["layer_ids"], args.intermediate_size, args.max_chain)
-    model = build_eagle(raw, str(args.out))
+    coverage = 1.0
+    if args.draft_vocab:
+        d2t, coverage = draft_vocab(seqs, args.draft_vocab, raw["vocab_size"])
+        raw["draft_vocab_size"] = args.draft_vocab
+    cfg = parse_drafter_config(raw, Path(args.out) / "config.json", EAGLE_ARCHITECTURE)
+    model = Eagle3Drafter(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
+    if args.draft_vocab:
+        model.d2t.copy_(d2t)
     with torch.no_grad():
         model.norm.weight.copy_(target.model.norm.weight)
     run = fit(model, lambda seq, rng: eagle_loss(model, embed, lm_head, seq, args.ttt_steps), seqs, args, "EAGLE-3-style drafter")
     card = model_card(
         f"EAGLE-3-style baseline drafter for {Path(args.target).name}", "train_eagle3.py", info, run, args,
         [f"1 decoder layer over [embedding ; fused features of layers {info['layer_ids']}], MLP width {args.intermediate_size}",
-         f"training-time test with {args.ttt_steps} steps; chain of up to {args.max_chain} drafts at run time"],
+         f"training-time test with {args.ttt_steps} steps; chain of up to {args.max_chain} drafts at run time",
+         f"draft vocabulary: {args.draft_vocab or 'all'} tokens (d2t), covering {coverage:.1%} of answer tokens"],
     )
     export(model, raw, Path(args.out), card, args.force)
     print(f"wrote {args.out} after {run['wall_s'] / 60:.1f} min", file=sys.stderr)
+    return run
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from ..checkpoint import SafetensorsCheckpoint, load_module
 from ..config import DrafterConfig, TargetConfig, check_pair, load_drafter_config
 from ..errors import CheckpointError
 from ..kv_cache import AttentionBatch, PagedKVCache
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope, paged_attention
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope, paged_attention, register_d2t
 
 
 class DrafterLayer(nn.Module):
@@ -54,6 +54,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(feature_width, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        register_d2t(self, cfg.draft_vocab_size)
 
     def fuse_context_projections(self) -> None:
         """Stack every layer's k_proj and v_proj into one weight: rows [layer, k|v, nkv·hd]."""

@@ -17,7 +17,7 @@ from torch import nn
 from ..checkpoint import load_module
 from ..config import DrafterConfig, TargetConfig, check_pair, load_drafter_config
 from ..kv_cache import AttentionBatch, PagedKVCache
-from .layers import MLP, RMSNorm, Rotary, apply_rope, paged_attention
+from .layers import MLP, RMSNorm, Rotary, apply_rope, paged_attention, register_d2t
 
 EAGLE_ARCHITECTURE = "DFlashTrtEagle3Drafter"
 
@@ -53,6 +53,7 @@ class Eagle3Drafter(nn.Module):
         self.mlp = MLP(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        register_d2t(self, cfg.draft_vocab_size)
 
     def new_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
         p = self.fc.weight

@@ -91,6 +91,27 @@ class AttentionProjections(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def draft_vocab_head(lm_head: torch.Tensor, d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows of the shared lm_head a drafter proposes from, and their target token ids.
+
+    With a reduced draft vocabulary (EAGLE-3's `d2t`: draft token i is target token i + d2t[i])
+    only those rows are multiplied, which cuts the drafter's largest GEMM; verification still
+    uses the full vocabulary, so the output is unchanged. Without `d2t`: all rows, ids = None.
+    """
+    if d2t is None:
+        return lm_head, None
+    ids = torch.arange(len(d2t), device=d2t.device) + d2t
+    return lm_head[ids].contiguous(), ids
+
+
+def register_d2t(module: nn.Module, size: int | None) -> None:
+    """The optional `d2t` tensor of a drafter checkpoint (int64 [draft_vocab_size])."""
+    if size is None:
+        module.d2t = None
+    else:
+        module.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,

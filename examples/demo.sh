@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The main job, end to end: fetch the real target, generate with live streaming (DFlash and
+# plain decoding side by side), then a short benchmark with its table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T=$(dflash-trt fetch-models --quiet)
+D=examples/drafters/smollm2-dflash-b16
+E=examples/drafters/smollm2-eagle3
+PROMPT="Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring."
+echo "== DFlash (block 16), streaming =="
+dflash-trt generate --target "$T" --drafter "$D" --prompt "$PROMPT" --max-new-tokens 160 --threads 2
+echo "== plain autoregressive decoding, same prompt =="
+dflash-trt generate --target "$T" --no-drafter --prompt "$PROMPT" --max-new-tokens 160 --threads 2
+echo "== short benchmark: AR vs EAGLE-3-style vs DFlash =="
+dflash-trt bench --target "$T" --drafter "$D" --eagle "$E" --domains code,math,chat --num-prompts 2 \
+    --max-new-tokens 96 --concurrency 1,4 --threads 2 --out bench-results/demo
