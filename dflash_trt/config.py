@@ -113,13 +113,19 @@ class _Reader:
     def error(self, key: str, message: str) -> ConfigError:
         return ConfigError(message, file=self.path, key=key)
 
-    def int(self, key: str, default: Any = ..., *, minimum: int = 1, src: dict | None = None) -> int:
+    def _get(self, key: str, default: Any, src: dict | None) -> tuple[bool, Any]:
+        """(True, value) when set; (False, default) when absent or null; an error when required (default ...)."""
         src = self.raw if src is None else src
         if key not in src or src[key] is None:
             if default is ...:
                 raise self.error(key, "required key is missing")
-            return default
-        value = src[key]
+            return False, default
+        return True, src[key]
+
+    def int(self, key: str, default: Any = ..., *, minimum: int = 1, src: dict | None = None) -> int:
+        present, value = self._get(key, default, src)
+        if not present:
+            return value
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.error(key, f"expected an integer, got {value!r}")
         if value < minimum:
@@ -127,12 +133,9 @@ class _Reader:
         return value
 
     def float(self, key: str, default: Any = ..., src: dict | None = None) -> float:
-        src = self.raw if src is None else src
-        if key not in src or src[key] is None:
-            if default is ...:
-                raise self.error(key, "required key is missing")
-            return default
-        value = src[key]
+        present, value = self._get(key, default, src)
+        if not present:
+            return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.error(key, f"expected a number, got {value!r}")
         return float(value)

@@ -15,6 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_trt.checkpoint import atomic_directory
+from dflash_trt.config import parse_drafter_config
+from dflash_trt.models.layers import draft_vocab_head
+from dflash_trt.models.target import load_target
 
 
 def load_shards(data_dir: Path) -> list[dict]:
@@ -43,6 +46,39 @@ def common_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--draft-vocab", type=int, default=8192, help="draft only from the N most frequent answer tokens (d2t); 0 = full vocabulary")
     ap.add_argument("--force", action="store_true")
     return ap
+
+
+def load_inputs(args):
+    """(data info, sequences, target model) for a trainer's arguments."""
+    torch.set_num_threads(args.threads)
+    info = json.loads((Path(args.data) / "info.json").read_text())
+    return info, load_shards(Path(args.data)), load_target(args.target)
+
+
+def build_drafter(cls, raw_cfg: dict, args, seqs: list[dict], architecture: str):
+    """The untrained drafter for `raw_cfg` (the config.json it will be exported with), with its d2t.
+
+    Returns (model, d2t or None, fraction of answer tokens the draft vocabulary covers)."""
+    coverage, d2t = 1.0, None
+    if args.draft_vocab:
+        d2t, coverage = draft_vocab(seqs, args.draft_vocab, raw_cfg["vocab_size"])
+        raw_cfg["draft_vocab_size"] = args.draft_vocab
+    cfg = parse_drafter_config(raw_cfg, Path(args.out) / "config.json", architecture)
+    model = cls(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
+    if d2t is not None:
+        model.d2t.copy_(d2t)
+    return model, d2t, coverage
+
+
+def training_head(lm_head: torch.Tensor, d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lm_head rows the drafter proposes from, target id → row or -1). Training over the draft
+    vocabulary only (as EAGLE-3 does) is what drafting uses, and is ~6x cheaper than the full head."""
+    head, ids = draft_vocab_head(lm_head, d2t)
+    t2d = torch.arange(lm_head.shape[0])
+    if ids is not None:
+        t2d = torch.full((lm_head.shape[0],), -1, dtype=torch.long)
+        t2d[ids] = torch.arange(len(ids))
+    return head, t2d
 
 
 def draft_vocab(seqs: list[dict], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:

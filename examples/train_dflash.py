@@ -12,19 +12,17 @@ exp(-(k-1)/γ), γ = 7 for B = 16.
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_common import common_args, draft_vocab, export, fit, load_shards, model_card
+from train_common import build_drafter, common_args, export, fit, load_inputs, model_card, training_head
 
-from dflash_trt.config import load_target_config, parse_drafter_config
+from dflash_trt.config import DRAFTER_ARCHITECTURE, load_target_config
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.layers import apply_rope
-from dflash_trt.models.target import load_target
 
 
 def drafter_config(target_dir: Path, layer_ids: list[int], num_layers: int, block_size: int, mask_token_id: int) -> dict:
@@ -71,8 +69,11 @@ def init_from_target(drafter: DFlashDrafter, target) -> None:
         drafter.norm.weight.copy_(target.model.norm.weight)
 
 
-def dflash_loss(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, seq: dict, num_anchors: int, gamma: float, rng: random.Random):
-    """Weighted CE over the blocks of `num_anchors` random anchors of one sequence. Returns (loss, accuracy of slot 1)."""
+def dflash_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: tuple, seq: dict, num_anchors: int, gamma: float, rng: random.Random):
+    """Weighted CE over the blocks of `num_anchors` random anchors of one sequence. Returns (loss, accuracy of slot 1).
+
+    head: (lm_head rows of the draft vocabulary, target id → row or -1), see train_common.training_head."""
+    lm_head, t2d = head
     cfg = drafter.cfg
     B = cfg.block_size
     tokens, feats, n_prompt = seq["tokens"], seq["features"], seq["prompt_len"]
@@ -115,14 +116,17 @@ def dflash_loss(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tens
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     h = drafter.norm(x).view(A, B, -1)[:, 1:]  # slots 1..B-1
     y = labels[:, 1:]
+    y = torch.where(y >= 0, t2d[y.clamp(min=0)], -1)  # labels outside the draft vocabulary are skipped
     valid = y >= 0
     logits = F.linear(h[valid], lm_head).float()
     weights = torch.exp(-(slot[1:].float() - 1) / gamma)[None].expand(A, -1)[valid]
     ce = F.cross_entropy(logits, y[valid], reduction="none")
     loss = (ce * weights).sum() / weights.sum()
-    first = valid[:, 0]
-    acc1 = (logits.argmax(-1)[: int(first.sum())] == y[first, 0]).float().mean() if first.any() else torch.tensor(0.0)
-    return loss, float(acc1)
+    # rows of `logits` are valid (anchor, slot) pairs in row-major order; slot 1 is column 0
+    is_slot1 = torch.zeros_like(valid)
+    is_slot1[:, 0] = True
+    hits = (logits.argmax(-1) == y[valid])[is_slot1[valid]]
+    return loss, float(hits.float().mean()) if hits.numel() else 0.0
 
 
 def main(argv=None) -> None:
@@ -134,24 +138,14 @@ def main(argv=None) -> None:
     ap.add_argument("--anchors", type=int, default=32, help="random anchors per sequence")
     ap.add_argument("--init", choices=["target", "random"], default="target")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-
-    info = json.loads((Path(args.data) / "info.json").read_text())
-    seqs = load_shards(Path(args.data))
-    target = load_target(args.target)
-    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head_weight.detach()
+    info, seqs, target = load_inputs(args)
+    embed = target.model.embed_tokens.weight.detach()
     raw_cfg = drafter_config(Path(args.target), info["layer_ids"], args.layers, args.block_size, args.mask_token_id)
-    coverage = 1.0
-    if args.draft_vocab:
-        d2t, coverage = draft_vocab(seqs, args.draft_vocab, raw_cfg["vocab_size"])
-        raw_cfg["draft_vocab_size"] = args.draft_vocab
-    cfg = parse_drafter_config(raw_cfg, Path(args.out) / "config.json")
-    drafter = DFlashDrafter(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
-    if args.draft_vocab:
-        drafter.d2t.copy_(d2t)
+    drafter, d2t, coverage = build_drafter(DFlashDrafter, raw_cfg, args, seqs, DRAFTER_ARCHITECTURE)
     if args.init == "target":
         init_from_target(drafter, target)
-    run = fit(drafter, lambda seq, rng: dflash_loss(drafter, embed, lm_head, seq, args.anchors, args.gamma, rng), seqs, args, "DFlash drafter")
+    head = training_head(target.lm_head_weight.detach(), d2t)
+    run = fit(drafter, lambda seq, rng: dflash_loss(drafter, embed, head, seq, args.anchors, args.gamma, rng), seqs, args, "DFlash drafter")
     card = model_card(
         f"DFlash drafter for {Path(args.target).name}", "train_dflash.py", info, run, args,
         [f"{args.layers} layers, block size {args.block_size}, mask token id {args.mask_token_id}, target_layer_ids {info['layer_ids']}",

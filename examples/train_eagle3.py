@@ -11,17 +11,15 @@ chain of earlier steps. Tokens are the ground truth (the target's own greedy ans
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_common import common_args, draft_vocab, export, fit, load_shards, model_card
+from train_common import build_drafter, common_args, export, fit, load_inputs, model_card, training_head
 
-from dflash_trt.config import load_target_config, parse_drafter_config
+from dflash_trt.config import load_target_config
 from dflash_trt.models.eagle import EAGLE_ARCHITECTURE, Eagle3Drafter
-from dflash_trt.models.target import load_target
 
 
 def eagle_config(target_dir: Path, layer_ids: list[int], intermediate_size: int, max_chain: int) -> dict:
@@ -46,16 +44,19 @@ def eagle_config(target_dir: Path, layer_ids: list[int], intermediate_size: int,
     }
 
 
-def eagle_loss(model: Eagle3Drafter, embed: torch.Tensor, lm_head: torch.Tensor, seq: dict, ttt_steps: int):
-    """Mean CE over TTT steps of the answer-token predictions of one sequence. Returns (loss, step-0 accuracy)."""
+def eagle_loss(model: Eagle3Drafter, embed: torch.Tensor, head: tuple, seq: dict, ttt_steps: int):
+    """Mean CE over TTT steps of the answer-token predictions of one sequence. Returns (loss, step-0 accuracy).
+
+    head: (lm_head rows of the draft vocabulary, target id → row or -1), see train_common.training_head."""
+    lm_head, t2d = head
     cfg = model.cfg
     tokens, feats, n_prompt = seq["tokens"], seq["features"], seq["prompt_len"]
     P = feats.shape[0] - 1  # pair positions p = 0..P-1: (g_p, x_{p+1}) → x_{p+2}
     if P < 2:
         return None
     pos = torch.arange(P)
-    labels = tokens[pos + 2]
-    supervised = pos + 2 >= n_prompt
+    labels = t2d[tokens[pos + 2]]  # -1 outside the draft vocabulary: skipped
+    supervised = (pos + 2 >= n_prompt) & (labels >= 0)
     e = F.embedding(tokens[pos + 1], embed)
     cos, sin = model.rotary(pos, e.dtype)
     hidden = model.fuse(feats[:P])
@@ -94,24 +95,14 @@ def main(argv=None) -> None:
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--max-chain", type=int, default=7, help="drafts per step at run time (block_size - 1)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-
-    info = json.loads((Path(args.data) / "info.json").read_text())
-    seqs = load_shards(Path(args.data))
-    target = load_target(args.target)
-    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head_weight.detach()
+    info, seqs, target = load_inputs(args)
+    embed = target.model.embed_tokens.weight.detach()
     raw = eagle_config(Path(args.target), info["layer_ids"], args.intermediate_size, args.max_chain)
-    coverage = 1.0
-    if args.draft_vocab:
-        d2t, coverage = draft_vocab(seqs, args.draft_vocab, raw["vocab_size"])
-        raw["draft_vocab_size"] = args.draft_vocab
-    cfg = parse_drafter_config(raw, Path(args.out) / "config.json", EAGLE_ARCHITECTURE)
-    model = Eagle3Drafter(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
-    if args.draft_vocab:
-        model.d2t.copy_(d2t)
+    model, d2t, coverage = build_drafter(Eagle3Drafter, raw, args, seqs, EAGLE_ARCHITECTURE)
     with torch.no_grad():
         model.norm.weight.copy_(target.model.norm.weight)
-    run = fit(model, lambda seq, rng: eagle_loss(model, embed, lm_head, seq, args.ttt_steps), seqs, args, "EAGLE-3-style drafter")
+    head = training_head(target.lm_head_weight.detach(), d2t)
+    run = fit(model, lambda seq, rng: eagle_loss(model, embed, head, seq, args.ttt_steps), seqs, args, "EAGLE-3-style drafter")
     card = model_card(
         f"EAGLE-3-style baseline drafter for {Path(args.target).name}", "train_eagle3.py", info, run, args,
         [f"1 decoder layer over [embedding ; fused features of layers {info['layer_ids']}], MLP width {args.intermediate_size}",

@@ -6,7 +6,6 @@ transformers' logits; speculative samples (drafts accepted and rejected) must fi
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
