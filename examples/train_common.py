@@ -151,6 +151,13 @@ def model_card(title: str, script: str, info: dict, run: dict, args, details: li
     return "\n".join(lines)
 
 
+def finish(model: torch.nn.Module, raw_cfg: dict, args, info: dict, run: dict, title: str, script: str, details: list[str]) -> dict:
+    """Write the model card and export; returns `run` (the training record)."""
+    export(model, raw_cfg, Path(args.out), model_card(title, script, info, run, args, details), args.force)
+    print(f"wrote {args.out} after {run['wall_s'] / 60:.1f} min", file=sys.stderr)
+    return run
+
+
 def export(model: torch.nn.Module, raw_cfg: dict, out: Path, card: str, force: bool) -> None:
     """config.json + bf16 model.safetensors + README.md, written atomically."""
     with atomic_directory(out, force=force) as tmp:

@@ -13,12 +13,11 @@ exp(-(k-1)/γ), γ = 7 for B = 16.
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_common import build_drafter, common_args, export, fit, load_inputs, model_card, training_head
+from train_common import build_drafter, common_args, finish, fit, load_inputs, training_head
 
 from dflash_trt.config import DRAFTER_ARCHITECTURE, load_target_config
 from dflash_trt.models.drafter import DFlashDrafter
@@ -146,16 +145,12 @@ def main(argv=None) -> None:
         init_from_target(drafter, target)
     head = training_head(target.lm_head_weight.detach(), d2t)
     run = fit(drafter, lambda seq, rng: dflash_loss(drafter, embed, head, seq, args.anchors, args.gamma, rng), seqs, args, "DFlash drafter")
-    card = model_card(
-        f"DFlash drafter for {Path(args.target).name}", "train_dflash.py", info, run, args,
+    return finish(
+        drafter, raw_cfg, args, info, run, f"DFlash drafter for {Path(args.target).name}", "train_dflash.py",
         [f"{args.layers} layers, block size {args.block_size}, mask token id {args.mask_token_id}, target_layer_ids {info['layer_ids']}",
          f"{args.anchors} random anchors per sequence, loss weight exp(-(k-1)/{args.gamma}), init from {args.init}",
          f"draft vocabulary: {args.draft_vocab or 'all'} tokens (d2t), covering {coverage:.1%} of answer tokens"],
     )
-    export(drafter, raw_cfg, Path(args.out), card, args.force)
-    print(f"wrote {args.out} after {run['wall_s'] / 60:.1f} min", file=sys.stderr)
-    return run
-
 
 if __name__ == "__main__":
     main()

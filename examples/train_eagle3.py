@@ -11,12 +11,11 @@ chain of earlier steps. Tokens are the ground truth (the target's own greedy ans
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_common import build_drafter, common_args, export, fit, load_inputs, model_card, training_head
+from train_common import build_drafter, common_args, finish, fit, load_inputs, training_head
 
 from dflash_trt.config import load_target_config
 from dflash_trt.models.eagle import EAGLE_ARCHITECTURE, Eagle3Drafter
@@ -103,16 +102,12 @@ def main(argv=None) -> None:
         model.norm.weight.copy_(target.model.norm.weight)
     head = training_head(target.lm_head_weight.detach(), d2t)
     run = fit(model, lambda seq, rng: eagle_loss(model, embed, head, seq, args.ttt_steps), seqs, args, "EAGLE-3-style drafter")
-    card = model_card(
-        f"EAGLE-3-style baseline drafter for {Path(args.target).name}", "train_eagle3.py", info, run, args,
+    return finish(
+        model, raw, args, info, run, f"EAGLE-3-style baseline drafter for {Path(args.target).name}", "train_eagle3.py",
         [f"1 decoder layer over [embedding ; fused features of layers {info['layer_ids']}], MLP width {args.intermediate_size}",
          f"training-time test with {args.ttt_steps} steps; chain of up to {args.max_chain} drafts at run time",
          f"draft vocabulary: {args.draft_vocab or 'all'} tokens (d2t), covering {coverage:.1%} of answer tokens"],
     )
-    export(model, raw, Path(args.out), card, args.force)
-    print(f"wrote {args.out} after {run['wall_s'] / 60:.1f} min", file=sys.stderr)
-    return run
-
 
 if __name__ == "__main__":
     main()

