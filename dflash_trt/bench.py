@@ -164,7 +164,7 @@ def cmd_bench(args) -> int:
     if args.drafter:
         drafter = load_drafter(args.drafter, cfg, dtype=DTYPES[args.dtype])
         methods.append(Method("dflash", TorchBackend(target, drafter, num_pages=pages, block_size=args.block_size)))
-    eos = set(cfg.eos_token_ids) | generation_eos_ids(args.target, tok)
+    eos = generation_eos_ids(args.target, tok)
     results = run_bench(methods, prompt_sets, eos, args.max_new_tokens, concurrency, progress=not args.quiet)
     results["setup"] = {"target": str(args.target), "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "block_size": args.block_size,
                         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}

@@ -39,8 +39,10 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def generation_eos_ids(target_dir: str | Path, tokenizer) -> set[int]:
-    """EOS ids from config.json (already parsed), generation_config.json and the tokenizer."""
-    ids: set[int] = set()
+    """EOS ids from config.json, generation_config.json and the tokenizer: generation stops at any of them."""
+    from .config import load_target_config
+
+    ids: set[int] = set(load_target_config(target_dir).eos_token_ids)
     path = Path(target_dir) / "generation_config.json"
     if path.is_file():
         value = json.loads(path.read_text()).get("eos_token_id")
@@ -93,7 +95,7 @@ def cmd_generate(args) -> int:
     block = args.block_size or 16
     pages = args.kv_pages or max_batch * -(-(longest + block) // page_size)
     backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], "cpu", pages, page_size, args.block_size, args.drafter_type)
-    eos = set(target_cfg.eos_token_ids) | generation_eos_ids(args.target, tokenizer)
+    eos = generation_eos_ids(args.target, tokenizer)
     gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, max_seq_len=target_cfg.max_position_embeddings)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

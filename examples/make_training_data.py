@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from dflash_trt.cli import encode_prompt, load_tokenizer
+from dflash_trt.cli import encode_prompt, generation_eos_ids, load_tokenizer
 from dflash_trt.config import build_target_layer_ids, load_target_config
 from dflash_trt.models.target import load_target
 from dflash_trt.prompts import load_train_prompts
@@ -65,7 +65,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     target = load_target(args.target, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    eos = set(cfg.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    eos = generation_eos_ids(args.target, tok)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     start, shard, total_tokens = time.time(), 0, 0
     bar = tqdm(total=len(prompts), desc="generate", unit="prompt")
