@@ -91,7 +91,7 @@ class PagedKVCache:
 
     # -- batches -----------------------------------------------------------------------------
 
-    def prepare(self, seq_ids: list[int], num_new: list[int], keep_cached: bool = True) -> "AttentionBatch":
+    def prepare(self, seq_ids: list[int], num_new: list[int]) -> "AttentionBatch":
         """Reserve room for `num_new` tokens after each sequence's cached tokens and describe the batch.
 
         The new tokens' queries attend to the cached tokens plus the new tokens themselves.
@@ -100,11 +100,12 @@ class PagedKVCache:
         starts = [self.lengths[s] for s in seq_ids]
         for s, start, n in zip(seq_ids, starts, num_new):
             self.reserve(s, start + n)
+        kv_slots = [self.slots(s, 0, start + n) for s, start, n in zip(seq_ids, starts, num_new)]
         return AttentionBatch.build(
             q_starts=starts,
             q_lens=num_new,
-            kv_slots=[self.slots(s, 0, start + n) for s, start, n in zip(seq_ids, starts, num_new)],
-            write_slots=torch.cat([self.slots(s, start, start + n) for s, start, n in zip(seq_ids, starts, num_new)]),
+            kv_slots=kv_slots,
+            write_slots=torch.cat([slots[start:] for slots, start in zip(kv_slots, starts)]),  # the new tokens' own slots
             device=self.k.device,
         )
 

@@ -167,7 +167,8 @@ class Generator:
         admitted = self._admit()
         if admitted:
             finished += self._prefill(admitted)
-        decoding = [r.seq for r in self._running.values() if r.seq.seq_id not in {s.seq_id for s in admitted}]
+        just_prefilled = {s.seq_id for s in admitted}
+        decoding = [r.seq for r in self._running.values() if r.seq.seq_id not in just_prefilled]
         if decoding:
             speculative_step(self.backend, decoding, self.max_drafts)
             finished += [self._finish(s.seq_id) for s in decoding if s.finish_reason is not None]

@@ -151,8 +151,11 @@ def model_card(title: str, script: str, info: dict, run: dict, args, details: li
     return "\n".join(lines)
 
 
-def finish(model: torch.nn.Module, raw_cfg: dict, args, info: dict, run: dict, title: str, script: str, details: list[str]) -> dict:
-    """Write the model card and export; returns `run` (the training record)."""
+def finish(model: torch.nn.Module, raw_cfg: dict, args, info: dict, run: dict, title: str, script: str, details: list[str], coverage: float) -> dict:
+    """Write the model card and export; returns `run` (the training record).
+
+    `coverage`: the fraction of answer tokens the draft vocabulary holds (from build_drafter)."""
+    details = details + [f"draft vocabulary: {args.draft_vocab or 'all'} tokens (d2t), covering {coverage:.1%} of answer tokens"]
     export(model, raw_cfg, Path(args.out), model_card(title, script, info, run, args, details), args.force)
     print(f"wrote {args.out} after {run['wall_s'] / 60:.1f} min", file=sys.stderr)
     return run

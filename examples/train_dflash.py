@@ -148,9 +148,10 @@ def main(argv=None) -> None:
     return finish(
         drafter, raw_cfg, args, info, run, f"DFlash drafter for {Path(args.target).name}", "train_dflash.py",
         [f"{args.layers} layers, block size {args.block_size}, mask token id {args.mask_token_id}, target_layer_ids {info['layer_ids']}",
-         f"{args.anchors} random anchors per sequence, loss weight exp(-(k-1)/{args.gamma}), init from {args.init}",
-         f"draft vocabulary: {args.draft_vocab or 'all'} tokens (d2t), covering {coverage:.1%} of answer tokens"],
+         f"{args.anchors} random anchors per sequence, loss weight exp(-(k-1)/{args.gamma}), init from {args.init}"],
+        coverage,
     )
+
 
 if __name__ == "__main__":
     main()

@@ -105,9 +105,10 @@ def main(argv=None) -> None:
     return finish(
         model, raw, args, info, run, f"EAGLE-3-style baseline drafter for {Path(args.target).name}", "train_eagle3.py",
         [f"1 decoder layer over [embedding ; fused features of layers {info['layer_ids']}], MLP width {args.intermediate_size}",
-         f"training-time test with {args.ttt_steps} steps; chain of up to {args.max_chain} drafts at run time",
-         f"draft vocabulary: {args.draft_vocab or 'all'} tokens (d2t), covering {coverage:.1%} of answer tokens"],
+         f"training-time test with {args.ttt_steps} steps; chain of up to {args.max_chain} drafts at run time"],
+        coverage,
     )
+
 
 if __name__ == "__main__":
     main()
