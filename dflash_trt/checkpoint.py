@@ -15,25 +15,85 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
-
 from .errors import CheckpointError
+from .safetensors_io import SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
-class SafetensorsCheckpoint:
-    """Tensor names → files, opened lazily (mmap); nothing is read until `get`."""
+class TensorSource:
+    """Named tensors a module is filled from: `keys`, `shape`, `get`, `file_of` (for error messages)."""
 
-    def __init__(self, directory: str | Path):
+    weight_map: dict[str, Path]
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def file_of(self, name: str) -> Path:
+        return self.weight_map[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_exact(self, expected: dict[str, tuple[int, ...]], ignore: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """Read exactly the tensors in `expected` (name → shape): missing, extra or misshapen ones are errors.
+
+        Names in `ignore` are tolerated when present and never read (e.g. a tied lm_head.weight).
+        """
+        for name in expected:
+            if name not in self.weight_map:
+                raise CheckpointError("required tensor is missing", file=getattr(self, "directory", None), key=name)
+        for name in self.weight_map:
+            if name not in expected and name not in ignore:
+                raise CheckpointError("unexpected tensor (not part of this architecture)", file=self.file_of(name), key=name)
+        tensors = {}
+        for name, shape in expected.items():
+            got = self.shape(name)
+            if got != tuple(shape):
+                raise CheckpointError(f"shape {list(got)} != expected {list(shape)}", file=self.file_of(name), key=name)
+            tensors[name] = self.get(name)
+        return tensors
+
+
+class InMemorySource(TensorSource):
+    """Tensors already in memory (e.g. dequantized from a converted checkpoint); `origin[name]` is the file
+    each came from."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], origin: dict[str, Path], directory: Path | None = None):
+        self.tensors, self.weight_map, self.directory = tensors, origin, directory
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+class SafetensorsCheckpoint(TensorSource):
+    """Tensor names → files; headers are read (and checked against the file sizes) at once, data on `get`."""
+
+    def __init__(self, directory: str | Path, files: list[str] | None = None):
+        """`files`: read only these (e.g. one rank's shard of a TensorRT-LLM checkpoint)."""
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise CheckpointError("checkpoint directory does not exist", file=self.directory)
         self._handles: dict[Path, object] = {}
         self.weight_map: dict[str, Path] = {}
         index = self.directory / INDEX_NAME
-        if index.is_file():
+        if files is not None:
+            paths = [self.directory / f for f in files]
+            for path in paths:
+                if not path.is_file():
+                    raise CheckpointError("missing shard", file=path)
+            self._add_files(paths)
+        elif index.is_file():
             self._read_index(index)
         else:
             files = sorted(self.directory.glob("*.safetensors"))
@@ -46,11 +106,14 @@ class SafetensorsCheckpoint:
                         file=self.directory,
                     )
                 raise CheckpointError("no *.safetensors files and no " + INDEX_NAME, file=self.directory)
-            for file in files:
-                for name in self._open(file).keys():
-                    if name in self.weight_map:
-                        raise CheckpointError(f"tensor is stored twice ({self.weight_map[name].name} and {file.name})", file=file, key=name)
-                    self.weight_map[name] = file
+            self._add_files(files)
+
+    def _add_files(self, files: list[Path]) -> None:
+        for file in files:
+            for name in self._open(file).keys():
+                if name in self.weight_map:
+                    raise CheckpointError(f"tensor is stored twice ({self.weight_map[name].name} and {file.name})", file=file, key=name)
+                self.weight_map[name] = file
 
     def _read_index(self, index: Path) -> None:
         try:
@@ -71,54 +134,30 @@ class SafetensorsCheckpoint:
                 if f == file and name not in stored:
                     raise CheckpointError(f"index says this tensor is in {file.name}, but it is not", file=index, key=f"weight_map.{name}")
 
-    def _open(self, file: Path):
+    def _open(self, file: Path) -> SafetensorsFile:
         if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(str(file), framework="pt")
-            except Exception as e:  # safetensors raises several types for corrupt headers
-                raise CheckpointError(f"cannot open as safetensors ({e})", file=file) from None
+            self._handles[file] = SafetensorsFile(file)
         return self._handles[file]
 
-    def keys(self) -> list[str]:
-        return list(self.weight_map)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def file_of(self, name: str) -> Path:
-        return self.weight_map[name]
-
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
+        return self._open(self.weight_map[name]).tensors[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._open(self.weight_map[name]).tensors[name].dtype
+
+    def file(self, name: str) -> SafetensorsFile:
+        return self._open(self.weight_map[name])
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise CheckpointError("tensor not found", file=self.directory, key=name)
-        return self._open(self.weight_map[name]).get_tensor(name)
-
-    def load_exact(self, expected: dict[str, tuple[int, ...]], ignore: set[str] = frozenset()) -> dict[str, torch.Tensor]:
-        """Read exactly the tensors in `expected` (name → shape): missing, extra or misshapen ones are errors.
-
-        Names in `ignore` are tolerated when present and never read (e.g. a tied lm_head.weight).
-        """
-        for name in expected:
-            if name not in self.weight_map:
-                raise CheckpointError("required tensor is missing", file=self.directory, key=name)
-        for name in self.weight_map:
-            if name not in expected and name not in ignore:
-                raise CheckpointError("unexpected tensor (not part of this architecture)", file=self.file_of(name), key=name)
-        tensors = {}
-        for name, shape in expected.items():
-            got = self.shape(name)
-            if got != tuple(shape):
-                raise CheckpointError(f"shape {list(got)} != expected {list(shape)}", file=self.file_of(name), key=name)
-            tensors[name] = self.get(name)
-        return tensors
+        return self._open(self.weight_map[name]).read_rows(name)
 
 
-def load_module(build: Callable[[], torch.nn.Module], directory: str | Path, dtype: torch.dtype, device, ignore: set[str] = frozenset()):
-    """Build a module on the meta device, fill it with exactly the checkpoint's tensors, move it to `device`."""
-    ckpt = SafetensorsCheckpoint(directory)
+def load_module(build: Callable[[], torch.nn.Module], source: str | Path | TensorSource, dtype: torch.dtype, device, ignore: set[str] = frozenset()):
+    """Build a module on the meta device, fill it with exactly the source's tensors (a checkpoint directory
+    or a TensorSource), move it to `device`."""
+    ckpt = source if isinstance(source, TensorSource) else SafetensorsCheckpoint(source)
     with torch.device("meta"):
         model = build()
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}

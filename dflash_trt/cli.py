@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import bench, fetch
+from . import bench, convert, fetch
 from .errors import ConfigError, DFlashError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     fetch.register_cli(sub)
+    convert.register_cli(sub)
     bench.register_cli(sub)
     return parser
 

@@ -231,8 +231,22 @@ def _token_ids(reader: _Reader, key: str) -> tuple[int, ...]:
 
 
 def load_target_config(directory: str | Path) -> TargetConfig:
+    """A Hugging Face target config, or the config of a converted TensorRT-LLM target checkpoint."""
     path, raw = read_config_json(directory)
-    reader = _Reader(path, raw)
+    if _is_trtllm(raw):
+        from .trtllm_format import parse_trtllm_target_config
+
+        return parse_trtllm_target_config(raw, path)
+    return parse_target_config(raw, path)
+
+
+def _is_trtllm(raw: dict[str, Any]) -> bool:
+    return "mapping" in raw and "architecture" in raw and "architectures" not in raw
+
+
+def parse_target_config(raw: dict[str, Any], path: str | Path) -> TargetConfig:
+    """A target config from a Hugging Face config dict (`path` names it in errors)."""
+    reader = _Reader(Path(path), raw)
     arch = reader.architecture(list(TARGET_ARCHITECTURES))
     family = TARGET_ARCHITECTURES[arch]
     if family == "qwen3" and reader.bool("use_sliding_window", False):
@@ -254,6 +268,10 @@ def load_target_config(directory: str | Path) -> TargetConfig:
 def load_drafter_config(directory: str | Path, architecture: str = DRAFTER_ARCHITECTURE) -> DrafterConfig:
     """A DFlash drafter config (or, with `architecture`, another drafter using the same fields)."""
     path, raw = read_config_json(directory)
+    if _is_trtllm(raw):
+        from .trtllm_format import parse_trtllm_drafter_config
+
+        return parse_trtllm_drafter_config(raw, path)
     return parse_drafter_config(raw, path, architecture)
 
 

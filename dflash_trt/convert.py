@@ -1,0 +1,516 @@
+"""`dflash-trt convert`: a Hugging Face target + DFlash drafter → TensorRT-LLM checkpoints (BF16 / FP16 /
+FP32, FP8, NVFP4; sharded for tp ranks) or ModelOpt's quantized-HF format.
+
+Streaming: every output tensor is produced from row chunks of its source tensors, read with
+positional reads and written in place into each rank's file (safetensors_io.py), so memory stays at
+a few chunks whatever the model size. Output goes to a temporary directory beside `--out` and is
+renamed at the end; an error or Ctrl-C leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from . import parallel
+from .checkpoint import SafetensorsCheckpoint, atomic_directory
+from .config import DrafterConfig, TargetConfig, TransformerConfig, check_pair, load_drafter_config, load_target_config
+from .errors import CheckpointError, ConfigError
+from .quant import fp8_scale, kv_cache_scale, nvfp4_activation_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
+from .quant.nvfp4 import BLOCK
+from .safetensors_io import SafetensorsWriter
+from .trtllm_format import (
+    EXCLUDED_MODULES,
+    KVUnit,
+    Unit,
+    drafter_config_json,
+    drafter_units,
+    kv_tensor_names,
+    out_rows,
+    scale_names,
+    source_rows_to_rank,
+    target_config_json,
+    target_units,
+)
+
+OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+CHUNK_BYTES = 64 << 20  # fp32 bytes per row chunk
+
+
+@dataclass
+class ConvertStats:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    largest_tensor_bytes: int = 0
+    files: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One model (target or drafter) → one output directory
+
+
+class _ModelWriter:
+    def __init__(self, name: str, cfg: TransformerConfig, ckpt: SafetensorsCheckpoint, units: list[Unit], kv_units: list[KVUnit],
+                 fmt: str, dtype: torch.dtype, quant: str, kv_quant: str, tp: int, amax: dict[str, float], stats: ConvertStats):
+        self.name, self.cfg, self.ckpt, self.units, self.kv_units = name, cfg, ckpt, units, kv_units
+        self.fmt, self.dtype, self.quant, self.kv_quant, self.tp, self.amax, self.stats = fmt, dtype, quant, kv_quant, tp, amax, stats
+        self.sn = scale_names(fmt)
+        self._group_amax: dict[str, float] = {}
+
+    # -- planning ----------------------------------------------------------------------------------
+
+    def _src(self, unit: Unit, src: str, suffix: str = ".weight") -> str:
+        return src + suffix if unit.linear else src
+
+    def plan(self, rank: int) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, int]]:
+        """Per-rank tensors (name → dtype, shape) and, for vocab-padded ones, the bytes actually written."""
+        tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        expected: dict[str, int] = {}
+        scalar = (1,) if self.fmt == "trtllm" and self.quant == "fp8" else ()
+        for unit in self.units:
+            shapes = [self.ckpt.shape(self._src(unit, s)) for s in unit.sources]
+            rows = sum(s[0] for s in shapes) if unit.split != "qkv" else None
+            rows = out_rows(unit, shapes[0][0] if rows is None else rows, self.cfg, self.tp)
+            rest = shapes[0][1:]
+            if unit.split == "row":
+                rest = (rest[0] // self.tp,)
+            name = unit.out + ".weight" if unit.linear else unit.out
+            src_dtype = self.ckpt.dtype(self._src(unit, unit.sources[0]))
+            if unit.linear and unit.quantized and self.quant == "fp8":
+                tensors[name] = (torch.float8_e4m3fn, (rows, *rest))
+                tensors[f"{unit.out}.{self.sn['w']}"] = (torch.float32, scalar)
+                tensors[f"{unit.out}.{self.sn['a']}"] = (torch.float32, scalar)
+            elif unit.linear and unit.quantized and self.quant == "nvfp4":
+                tensors[name] = (torch.uint8, (rows, rest[0] // 2))
+                tensors[f"{unit.out}.{self.sn['w']}"] = (torch.float8_e4m3fn, (rows, rest[0] // BLOCK))
+                tensors[f"{unit.out}.{self.sn['w2']}"] = (torch.float32, ())
+                tensors[f"{unit.out}.{self.sn['a']}"] = (torch.float32, ())
+            else:
+                tensors[name] = (self.dtype if src_dtype.is_floating_point else src_dtype, (rows, *rest))
+            if unit.split == "vocab":
+                real = sum(m.n for m in source_rows_to_rank(unit, "", shapes[0][0], self.cfg, self.tp, rank))
+                dt, shape = tensors[name]
+                expected[name] = real * math.prod(shape[1:]) * dt.itemsize
+            if unit.bias:
+                brows = rows if unit.split != "row" else shapes[0][0]
+                tensors[unit.out + ".bias"] = (self.dtype, (brows,))
+        if self.kv_quant == "fp8":
+            kv_shape = (1,) if self.fmt == "trtllm" else ()
+            for kv in self.kv_units:
+                for n in kv_tensor_names(kv, self.fmt).values():
+                    tensors[n] = (torch.float32, kv_shape)
+        return tensors, expected
+
+    # -- scales ------------------------------------------------------------------------------------
+
+    def _members(self, unit: Unit) -> list[Unit]:
+        return [u for u in self.units if unit.group is not None and u.group == unit.group] or [unit]
+
+    def _weight_amax(self, unit: Unit, progress) -> float:
+        """Largest |w| over the unit's fusion group (one pass of row chunks over each source)."""
+        key = unit.group or unit.out
+        if key not in self._group_amax:
+            value = 0.0
+            for member in self._members(unit):
+                for src in member.sources:
+                    name = src + ".weight"
+                    for _, chunk in self._chunks(name):
+                        value = max(value, float(chunk.abs().amax()) if chunk.numel() else 0.0)
+            if value == 0.0:
+                value = 1.0  # an all-zero weight quantizes to zeros under any positive scale
+            self._group_amax[key] = value
+        return self._group_amax[key]
+
+    def _act_amax(self, unit: Unit) -> float:
+        value = max((self.amax.get(src, 0.0) for m in self._members(unit) for src in m.sources), default=0.0)
+        if value <= 0.0:
+            raise ConfigError(
+                f"calibration recorded no input to {', '.join(unit.sources)} (is the calibration set empty?)",
+                key=f"{self.name}.{unit.sources[0]}",
+            )
+        return value
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def _chunks(self, name: str):
+        file = self.ckpt.file(name)
+        info = file.tensors[name]
+        if not info.shape:
+            yield 0, file.read_rows(name)
+            return
+        per_row = max(1, math.prod(info.shape[1:]) * 4)
+        step = max(1, CHUNK_BYTES // per_row)
+        for a in range(0, info.shape[0], step):
+            b = min(info.shape[0], a + step)
+            chunk = file.read_rows(name, a, b)
+            if chunk.is_floating_point() and not torch.isfinite(chunk).all():
+                bad = (~torch.isfinite(chunk)).nonzero()[0].tolist()
+                bad[0] += a
+                raise CheckpointError(f"non-finite value (NaN or Inf) at index {bad}", file=file.path, key=name)
+            yield a, chunk
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    def write(self, writers: list[SafetensorsWriter], progress: tqdm | None) -> None:
+        tp = self.tp
+        for unit in self.units:
+            out_w = unit.out + ".weight" if unit.linear else unit.out
+            q = unit.linear and unit.quantized and self.quant != "none"
+            if q:
+                w_amax = self._weight_amax(unit, progress)
+                a_amax = self._act_amax(unit)
+                if self.quant == "fp8":
+                    w_scale = fp8_scale(w_amax)
+                    scales = {self.sn["w"]: w_scale, self.sn["a"]: fp8_scale(a_amax)}
+                    if self.fmt == "hf":
+                        scales = {k: v.reshape(()) for k, v in scales.items()}
+                else:
+                    g = nvfp4_global_scale(w_amax)
+                    scales = {self.sn["w2"]: g, self.sn["a"]: nvfp4_activation_scale(a_amax)}
+                for r in range(tp):
+                    for suffix, value in scales.items():
+                        writers[r].write(f"{unit.out}.{suffix}", value)
+            for part, src in zip(unit.parts, unit.sources):
+                name = self._src(unit, src)
+                src_rows = self.ckpt.shape(name)[0]
+                maps = [source_rows_to_rank(unit, part, src_rows, self.cfg, tp, r) for r in range(tp)]
+                cols = self.ckpt.shape(name)[1] if len(self.ckpt.shape(name)) > 1 else None
+                for a, chunk in self._chunks(name):
+                    self.stats.bytes_read += chunk.numel() * chunk.element_size()
+                    b = a + chunk.shape[0]
+                    blocks = None
+                    if q and self.quant == "fp8":
+                        data = quantize_fp8(chunk, w_scale)
+                    elif q:
+                        data, blocks = quantize_nvfp4(chunk, g)
+                    else:
+                        data = chunk.to(self.dtype) if chunk.is_floating_point() else chunk
+                    for r in range(tp):
+                        for m in maps[r]:
+                            lo, hi = max(a, m.src_start), min(b, m.src_start + m.n)
+                            if lo >= hi:
+                                continue
+                            dst = m.dst_start + lo - m.src_start
+                            piece, bpiece = data[lo - a : hi - a], None if blocks is None else blocks[lo - a : hi - a]
+                            if unit.split == "row":
+                                per = 2 if (q and self.quant == "nvfp4") else 1
+                                piece = piece[:, parallel.col_slice(cols // per, tp, r)]
+                                if bpiece is not None:
+                                    bpiece = bpiece[:, parallel.col_slice(cols // BLOCK, tp, r)]
+                            writers[r].write_rows(out_w, dst, piece)
+                            if bpiece is not None:
+                                writers[r].write_rows(f"{unit.out}.{self.sn['w']}", dst, bpiece)
+                    if progress is not None:
+                        progress.update(chunk.numel() * chunk.element_size())
+                if unit.bias:
+                    bias = self.ckpt.get(src + ".bias")
+                    for r in range(tp):
+                        if unit.split == "row":  # added once after the all-reduce: every rank holds it whole
+                            writers[r].write(unit.out + ".bias", bias.to(self.dtype))
+                            continue
+                        for m in maps[r]:
+                            writers[r].write_rows(unit.out + ".bias", m.dst_start, bias[m.src_start : m.src_start + m.n].to(self.dtype))
+        if self.kv_quant == "fp8":
+            for kv in self.kv_units:
+                k, v = self.amax.get(f"{kv.source}.k_cache", 0.0), self.amax.get(f"{kv.source}.v_cache", 0.0)
+                if k <= 0 or v <= 0:
+                    raise ConfigError("calibration recorded no K/V for this layer", key=f"{self.name}.{kv.source}")
+                names = kv_tensor_names(kv, self.fmt)
+                if self.fmt == "hf":  # vLLM / SGLang read k_scale / v_scale unclamped
+                    values = {"k": fp8_scale(k).reshape(()), "v": fp8_scale(v).reshape(())}
+                else:
+                    ks, vs = kv_cache_scale(k), kv_cache_scale(v)
+                    values = {"kv": torch.maximum(ks, vs), "k": ks, "v": vs}
+                for r in range(tp):
+                    for key, value in values.items():
+                        writers[r].write(names[key], value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation of the sources
+
+
+def _expected_tensors(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], bool]]:
+    return {name: (tuple(t.shape), t.is_floating_point()) for name, t in model.state_dict().items()}
+
+
+def _check_sources(ckpt: SafetensorsCheckpoint, expected: dict[str, tuple[tuple[int, ...], bool]], ignore: set[str] = frozenset()) -> None:
+    for name in expected:
+        if name not in ckpt:
+            raise CheckpointError("required tensor is missing", file=ckpt.directory, key=name)
+    for name in ckpt.keys():
+        if name not in expected and name not in ignore:
+            raise CheckpointError("unexpected tensor (not part of this architecture)", file=ckpt.file_of(name), key=name)
+    for name, (shape, floating) in expected.items():
+        got = ckpt.shape(name)
+        if got != shape:
+            raise CheckpointError(f"shape {list(got)} != {list(shape)} expected from config.json", file=ckpt.file_of(name), key=name)
+        dtype = ckpt.dtype(name)
+        if floating and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise CheckpointError(f"dtype {dtype} is not a float type (expected F32, BF16 or F16)", file=ckpt.file_of(name), key=name)
+        if not floating and dtype.is_floating_point:
+            raise CheckpointError(f"dtype {dtype} should be an integer type", file=ckpt.file_of(name), key=name)
+
+
+def _check_tp(cfg: TransformerConfig, tp: int, quant: str) -> None:
+    parallel.check_tp(
+        tp,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        hidden_size=cfg.hidden_size,
+        head_dim=cfg.head_dim,
+        path=cfg.path,
+        nvfp4=quant == "nvfp4",
+    )
+
+
+def default_calibration_prompts(tokenizer, samples: int) -> list[list[int]]:
+    """The shipped corpus: training-split prompts (code, chat, GSM), never the evaluation sets."""
+    from .cli import encode_prompt
+    from .prompts import load_train_prompts
+
+    per = -(-samples // 3)
+    sets = [load_train_prompts(d, per) for d in ("code", "chat", "gsm")]
+    texts = [p.text for group in zip(*sets) for p in group][:samples]
+    return [encode_prompt(tokenizer, t, chat=True) for t in texts]
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def convert(
+    target_dir: str | Path,
+    drafter_dir: str | Path | None,
+    out: str | Path,
+    *,
+    dtype: str = "bf16",
+    quant: str = "none",
+    kv_cache_quant: str = "none",
+    tp: int = 1,
+    fmt: str = "trtllm",
+    calib_prompts: list[list[int]] | None = None,
+    calib_samples: int = 32,
+    calib_max_new_tokens: int = 32,
+    amax: dict[str, dict[str, float]] | None = None,
+    force: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> ConvertStats:
+    """Convert; `amax` (the result of quant.calibrate) skips calibration, `calib_prompts` replaces the
+    default calibration set. Returns byte counts and timing."""
+    from .models.drafter import DFlashDrafter
+    from .models.target import TargetModel
+
+    if dtype not in OUT_DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; expected one of {list(OUT_DTYPES)}", key="--dtype")
+    if quant not in ("none", "fp8", "nvfp4"):
+        raise ConfigError(f"unsupported quantization {quant!r}; expected none, fp8 or nvfp4", key="--quant")
+    if kv_cache_quant not in ("none", "fp8"):
+        raise ConfigError(f"unsupported KV-cache quantization {kv_cache_quant!r}; expected none or fp8", key="--kv-cache-quant")
+    if fmt not in ("trtllm", "hf"):
+        raise ConfigError(f"unsupported format {fmt!r}; expected trtllm or hf", key="--format")
+    if fmt == "hf" and tp != 1:
+        raise ConfigError("the quantized-HF format is not sharded (frameworks shard it at load time); use --tp 1", key="--tp")
+    out = Path(out)
+    if out.exists() and not force:
+        raise ConfigError("output directory already exists (pass --force to overwrite)", file=out)
+    out_dtype = OUT_DTYPES[dtype]
+    t_cfg = load_target_config(target_dir)
+    d_cfg: DrafterConfig | None = check_pair(t_cfg, load_drafter_config(drafter_dir)) if drafter_dir is not None else None
+    for cfg in (t_cfg, d_cfg):
+        if cfg is not None:
+            _check_tp(cfg, tp, quant)
+            if quant == "nvfp4" and cfg.hidden_size % BLOCK:
+                raise ConfigError(f"NVFP4 needs hidden_size to be a multiple of {BLOCK}", file=cfg.path, key="hidden_size")
+    t_ckpt = SafetensorsCheckpoint(target_dir)
+    with torch.device("meta"):
+        t_model = TargetModel(t_cfg)
+        d_model = DFlashDrafter(d_cfg, len(d_cfg.target_layer_ids) * t_cfg.hidden_size) if d_cfg is not None else None
+    _check_sources(t_ckpt, _expected_tensors(t_model), ignore={"lm_head.weight"} if t_cfg.tie_word_embeddings else set())
+    d_ckpt = None
+    if d_cfg is not None:
+        d_ckpt = SafetensorsCheckpoint(drafter_dir)
+        _check_sources(d_ckpt, _expected_tensors(d_model))
+
+    if (quant != "none" or kv_cache_quant != "none") and amax is None:
+        amax = _calibrate(target_dir, drafter_dir, calib_prompts, calib_samples, calib_max_new_tokens, progress, log)
+    amax = amax or {"target": {}, "drafter": {}}
+
+    quantize = quant != "none"
+    stats = ConvertStats()
+    jobs = [("target", t_cfg, t_ckpt, *target_units(t_cfg, fmt, quantize))]
+    if d_cfg is not None:
+        jobs.append(("drafter", d_cfg, d_ckpt, *drafter_units(d_cfg, fmt, quantize)))
+    total = sum(t_ckpt.file(n).tensors[n].end - t_ckpt.file(n).tensors[n].start for n in t_ckpt.keys())
+    if d_ckpt is not None:
+        total += sum(d_ckpt.file(n).tensors[n].end - d_ckpt.file(n).tensors[n].start for n in d_ckpt.keys())
+    start = time.perf_counter()
+    with atomic_directory(out, force=force) as tmp:
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {quant} tp={tp}", disable=not progress)
+        try:
+            for name, cfg, ckpt, units, kv_units in jobs:
+                writer = _ModelWriter(name, cfg, ckpt, units, kv_units, fmt, out_dtype, quant, kv_cache_quant, tp, amax.get(name, {}), stats)
+                sub = tmp / name
+                sub.mkdir()
+                files = [f"rank{r}.safetensors" for r in range(tp)] if fmt == "trtllm" else ["model.safetensors"]
+                writers = []
+                try:
+                    for r, fname in enumerate(files):
+                        tensors, expected = writer.plan(r)
+                        writers.append(SafetensorsWriter(sub / fname, tensors, expected))
+                    writer.write(writers, bar)
+                finally:
+                    for w in writers:
+                        stats.bytes_written += w.bytes_written
+                        w.close()
+                stats.largest_tensor_bytes = max(
+                    [stats.largest_tensor_bytes] + [ckpt.file(n).tensors[n].end - ckpt.file(n).tensors[n].start for n in ckpt.keys()]
+                )
+                _write_config(sub, name, cfg, t_cfg, fmt, out_dtype, tp, quant, kv_cache_quant, target_dir if name == "target" else drafter_dir)
+                stats.files += [f"{name}/{f}" for f in files]
+        finally:
+            bar.close()
+        copied = _copy_tokenizer(Path(target_dir), tmp)
+        if fmt == "hf":
+            _copy_tokenizer(Path(target_dir), tmp / "target")
+        (tmp / "dflash_convert.json").write_text(
+            json.dumps(
+                {"format": fmt, "dtype": dtype, "quant": quant, "kv_cache_quant": kv_cache_quant, "tp": tp,
+                 "target": str(Path(target_dir).resolve()), "drafter": str(Path(drafter_dir).resolve()) if drafter_dir else None,
+                 "tokenizer_files": copied},
+                indent=2,
+            )
+            + "\n"
+        )
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _calibrate(target_dir, drafter_dir, prompts, samples, max_new_tokens, progress, log) -> dict[str, dict[str, float]]:
+    from .quant.calibrate import calibrate
+    from .torch_backend import load_torch_backend
+
+    if prompts is None:
+        from .cli import load_tokenizer
+
+        prompts = default_calibration_prompts(load_tokenizer(target_dir), samples)
+    if not prompts:
+        raise ConfigError("the calibration set is empty", key="--calib")
+    longest = max(len(p) for p in prompts) + max_new_tokens + 32
+    backend = load_torch_backend(target_dir, drafter_dir, dtype=torch.float32, num_pages=-(-longest // 16) + 4, page_size=16)
+    log(f"calibrating on {len(prompts)} prompts ({sum(map(len, prompts))} tokens, {max_new_tokens} new tokens each)")
+    return calibrate(backend, prompts, max_new_tokens=max_new_tokens, progress=progress)
+
+
+def _write_config(sub: Path, name: str, cfg, t_cfg: TargetConfig, fmt: str, dtype: torch.dtype, tp: int, quant: str, kv_quant: str, src_dir) -> None:
+    if fmt == "trtllm":
+        raw = target_config_json(cfg, dtype, tp, quant, kv_quant) if name == "target" else drafter_config_json(cfg, t_cfg, dtype, tp, quant, kv_quant)
+        (sub / "config.json").write_text(json.dumps(raw, indent=4) + "\n")
+        return
+    # quantized HF: the source config plus ModelOpt's quantization_config, and hf_quant_config.json
+    raw = json.loads((Path(src_dir) / "config.json").read_text())
+    raw["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    from . import __version__
+
+    producer = {"name": "dflash-trt", "version": __version__}
+    if quant != "none" or kv_quant != "none":
+        exclude = list(EXCLUDED_MODULES) + (["model.embed_tokens"] if name == "target" else [])
+        hf_quant = {"quant_algo": {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}[quant], "kv_cache_quant_algo": "FP8" if kv_quant == "fp8" else None}
+        if quant == "nvfp4":
+            hf_quant["group_size"] = 16
+        hf_quant["exclude_modules"] = exclude
+        (sub / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": hf_quant}, indent=4) + "\n")
+        qc: dict = {"quant_method": "modelopt", "quant_algo": hf_quant["quant_algo"], "ignore": exclude, "producer": producer}
+        if quant != "none":
+            bits = {"num_bits": 8, "type": "float"} if quant == "fp8" else {"num_bits": 4, "type": "float", "group_size": 16}
+            qc["config_groups"] = {
+                "group_0": {"input_activations": {"dynamic": False, **bits}, "weights": {"dynamic": False, **bits}, "targets": ["Linear"]}
+            }
+        if kv_quant == "fp8":
+            qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+        raw["quantization_config"] = qc
+    (sub / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    if name == "target" and (Path(src_dir) / "generation_config.json").is_file():
+        shutil.copy2(Path(src_dir) / "generation_config.json", sub / "generation_config.json")
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for fname in TOKENIZER_FILES:
+        if (src / fname).is_file():
+            dst.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / fname, dst / fname)
+            copied.append(fname)
+    return copied
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+
+
+def cmd_convert(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    calib = None
+    if args.calib:
+        from .cli import encode_prompt, load_tokenizer, read_prompts
+
+        tokenizer = load_tokenizer(args.target)
+        ns = type("Prompts", (), {"prompt": None, "prompts": args.calib})()
+        calib = [encode_prompt(tokenizer, t, chat=True) for t in read_prompts(ns)][: args.calib_samples]
+    stats = convert(
+        args.target, args.drafter, args.out, dtype=args.dtype, quant=args.quant, kv_cache_quant=args.kv_cache_quant, tp=args.tp,
+        fmt=args.format, calib_prompts=calib, calib_samples=args.calib_samples, calib_max_new_tokens=args.calib_max_new_tokens,
+        force=args.force, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr),
+    )
+    rate = stats.bytes_read / stats.seconds / 1e6 if stats.seconds else 0.0
+    print(
+        f"wrote {args.out}: {', '.join(stats.files)} ({stats.bytes_written / 1e6:.1f} MB from {stats.bytes_read / 1e6:.1f} MB, "
+        f"{stats.seconds:.1f}s, {rate:.0f} MB/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def register_cli(sub) -> None:
+    c = sub.add_parser(
+        "convert",
+        help="convert a HF target + DFlash drafter to TensorRT-LLM checkpoints (BF16/FP8/NVFP4, TP-sharded) or quantized HF",
+    )
+    c.add_argument("--target", required=True, help="Hugging Face target directory")
+    c.add_argument("--drafter", help="DFlash drafter directory (omit to convert the target alone)")
+    c.add_argument("--out", required=True, help="output directory: OUT/target, OUT/drafter, tokenizer files in OUT")
+    c.add_argument("--dtype", choices=sorted(OUT_DTYPES), default="bf16", help="dtype of unquantized tensors (default bf16)")
+    c.add_argument("--quant", choices=["none", "fp8", "nvfp4"], default="none", help="weight + activation quantization of the linears")
+    c.add_argument("--kv-cache-quant", choices=["none", "fp8"], default="none")
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (rank{r}.safetensors each)")
+    c.add_argument("--format", choices=["trtllm", "hf"], default="trtllm", help="hf: HF names + hf_quant_config.json (ModelOpt unified)")
+    c.add_argument("--calib", help="calibration prompts: one per line, or .jsonl with 'prompt' (default: the shipped training corpus)")
+    c.add_argument("--calib-samples", type=int, default=32)
+    c.add_argument("--calib-max-new-tokens", type=int, default=32, help="tokens decoded per calibration prompt")
+    c.add_argument("--force", action="store_true", help="replace an existing --out")
+    c.add_argument("--threads", type=int, help="torch CPU threads")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.set_defaults(func=cmd_convert)

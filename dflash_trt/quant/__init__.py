@@ -1,0 +1,28 @@
+"""Weight and activation quantization in the formats TensorRT-LLM and ModelOpt use: FP8 (e4m3, per-tensor
+scale) and NVFP4 (e2m1 packed two per byte, e4m3 scale per 16 inputs, fp32 global scale)."""
+
+from .fp8 import E4M3_MAX, dequantize_fp8, fp8_scale, kv_cache_scale, quantize_fp8
+from .nvfp4 import (
+    BLOCK,
+    E2M1_MAX,
+    dequantize_nvfp4,
+    nvfp4_activation_scale,
+    nvfp4_block_scales,
+    nvfp4_global_scale,
+    quantize_nvfp4,
+)
+
+__all__ = [
+    "BLOCK",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "dequantize_fp8",
+    "dequantize_nvfp4",
+    "fp8_scale",
+    "kv_cache_scale",
+    "nvfp4_activation_scale",
+    "nvfp4_block_scales",
+    "nvfp4_global_scale",
+    "quantize_fp8",
+    "quantize_nvfp4",
+]

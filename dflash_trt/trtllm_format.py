@@ -1,0 +1,491 @@
+"""TensorRT-LLM checkpoints (config.json + rank{r}.safetensors) and ModelOpt's unified quantized-HF
+format, for our targets and the DFlash drafter: tensor names, per-rank shapes, config.json, and the
+way back (a rank's tensors under Hugging Face names, dequantized) for the reference runtime.
+
+Where the facts come from (checked against nvidia-modelopt 0.47's `export_tensorrt_llm_checkpoint`
+and `export_hf_checkpoint` on CPU, which tests/test_convert_modelopt.py runs as the oracle):
+- names: `tensorrt_llm/models/llama/convert.py` and `models/qwen/convert.py` (TensorRT-LLM), modelopt's
+  `export/layer_utils.py`: fused `attention.qkv` [Q|K|V], `attention.dense`, GatedMLP `mlp.fc` (HF
+  gate_proj, the activated branch), `mlp.gate` (HF up_proj), `mlp.proj`; Qwen3's per-head norms are
+  `attention.q_layernorm` / `attention.k_layernorm` with `qk_layernorm: true`;
+- scales: `weights_scaling_factor` (+ `_2` for NVFP4), `activation_scaling_factor`,
+  `attention.{kv,k,v}_cache_scaling_factor`; FP8 scalars have shape (1,), NVFP4 scalars shape ();
+  fused groups (q/k/v, and fc/gate, which trtllm-build may merge into one GEMM) share the weight's
+  global amax and the input amax (`preprocess_linear_fusion`, modelopt export/quant_utils.py);
+- quantized HF: `weight`, `weight_scale`, `weight_scale_2`, `input_scale`, `k_proj.k_scale`,
+  `v_proj.v_scale` (scalars of shape ()) and `hf_quant_config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import parallel
+from .checkpoint import InMemorySource, SafetensorsCheckpoint
+from .config import (
+    DRAFTER_ARCHITECTURE,
+    TARGET_ARCHITECTURES,
+    DrafterConfig,
+    TargetConfig,
+    TransformerConfig,
+    parse_drafter_config,
+    parse_target_config,
+)
+from .errors import CheckpointError, ConfigError
+from .quant import dequantize_fp8, dequantize_nvfp4
+
+# The MODEL_MAP key our drafter registers under in tensorrt_llm (dflash_trt/trtllm, the engine path).
+TRTLLM_DRAFTER_ARCHITECTURE = "DFlashDraftForCausalLM"
+# family → (architecture, ModelOpt's `decoder` field); TensorRT-LLM maps Qwen3ForCausalLM to QWenForCausalLM
+# with qwen_type "qwen3" (tensorrt_llm/models/__init__.py, models/qwen/config.py).
+TRTLLM_TARGET_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("QWenForCausalLM", "qwen")}
+QUANT_ALGOS = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}
+EXCLUDED_MODULES = ["lm_head"]  # embeddings and norms are never quantized; lm_head stays high precision
+STR_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One output module: a linear (weight [+ bias] [+ scales]) or a plain tensor (norm, embedding, d2t).
+
+    `sources` are HF module prefixes (linear) or tensor names (plain); `parts` say which part of a fused
+    qkv each source is ("q", "k", "v"; "" otherwise). `split`: column | row | qkv | vocab | replicated.
+    Members of one `group` share the weight's global scale and the activation scale."""
+
+    out: str
+    sources: tuple[str, ...]
+    parts: tuple[str, ...]
+    split: str
+    linear: bool
+    quantized: bool = False
+    group: str | None = None
+    bias: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "linear" if self.linear else "plain"
+
+
+@dataclass(frozen=True)
+class KVUnit:
+    """The KV-cache scales of one attention layer: `out` is the attention module's output prefix,
+    `source` the calibration key of the layer's cache (K and V amax), `k_out`/`v_out` HF-format owners."""
+
+    out: str
+    source: str
+    layer: int
+
+
+def _layer_units(prefix_in: str, prefix_out: str, cfg: TransformerConfig, fmt: str, quantize: bool, i: int) -> list[Unit]:
+    a, m = f"{prefix_in}.self_attn", f"{prefix_in}.mlp"
+    ab, mb = cfg.attention_bias, cfg.mlp_bias
+    if fmt == "hf":
+        units = [Unit(f"{prefix_in}.input_layernorm.weight", (f"{prefix_in}.input_layernorm.weight",), ("",), "replicated", False)]
+        for p in ("q", "k", "v"):
+            units.append(Unit(f"{a}.{p}_proj", (f"{a}.{p}_proj",), (p,), "replicated", True, quantize, f"{prefix_in}.attn", ab))
+        if cfg.qk_norm:
+            units += [Unit(f"{a}.{p}_norm.weight", (f"{a}.{p}_norm.weight",), ("",), "replicated", False) for p in ("q", "k")]
+        units += [
+            Unit(f"{a}.o_proj", (f"{a}.o_proj",), ("",), "replicated", True, quantize, None, ab),
+            Unit(f"{prefix_in}.post_attention_layernorm.weight", (f"{prefix_in}.post_attention_layernorm.weight",), ("",), "replicated", False),
+            Unit(f"{m}.gate_proj", (f"{m}.gate_proj",), ("",), "replicated", True, quantize, f"{prefix_in}.mlp", mb),
+            Unit(f"{m}.up_proj", (f"{m}.up_proj",), ("",), "replicated", True, quantize, f"{prefix_in}.mlp", mb),
+            Unit(f"{m}.down_proj", (f"{m}.down_proj",), ("",), "replicated", True, quantize, None, mb),
+        ]
+        return units
+    o = prefix_out
+    units = [
+        Unit(f"{o}.input_layernorm.weight", (f"{prefix_in}.input_layernorm.weight",), ("",), "replicated", False),
+        Unit(f"{o}.attention.qkv", (f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"), ("q", "k", "v"), "qkv", True, quantize, f"{o}.attention.qkv", ab),
+    ]
+    if cfg.qk_norm:
+        units += [
+            Unit(f"{o}.attention.q_layernorm.weight", (f"{a}.q_norm.weight",), ("",), "replicated", False),
+            Unit(f"{o}.attention.k_layernorm.weight", (f"{a}.k_norm.weight",), ("",), "replicated", False),
+        ]
+    units += [
+        Unit(f"{o}.attention.dense", (f"{a}.o_proj",), ("",), "row", True, quantize, None, ab),
+        Unit(f"{o}.post_layernorm.weight", (f"{prefix_in}.post_attention_layernorm.weight",), ("",), "replicated", False),
+        Unit(f"{o}.mlp.fc", (f"{m}.gate_proj",), ("",), "column", True, quantize, f"{o}.mlp", mb),
+        Unit(f"{o}.mlp.gate", (f"{m}.up_proj",), ("",), "column", True, quantize, f"{o}.mlp", mb),
+        Unit(f"{o}.mlp.proj", (f"{m}.down_proj",), ("",), "row", True, quantize, None, mb),
+    ]
+    return units
+
+
+def target_units(cfg: TargetConfig, fmt: str = "trtllm", quantize: bool = False) -> tuple[list[Unit], list[KVUnit]]:
+    if fmt == "hf":
+        units = [Unit("model.embed_tokens.weight", ("model.embed_tokens.weight",), ("",), "replicated", False)]
+        for i in range(cfg.num_layers):
+            units += _layer_units(f"model.layers.{i}", "", cfg, fmt, quantize, i)
+        units.append(Unit("model.norm.weight", ("model.norm.weight",), ("",), "replicated", False))
+        if not cfg.tie_word_embeddings:
+            units.append(Unit("lm_head.weight", ("lm_head.weight",), ("",), "replicated", False))
+        kv = [KVUnit(f"model.layers.{i}.self_attn", f"layers.{i}", i) for i in range(cfg.num_layers)]
+        return units, kv
+    units = [Unit("transformer.vocab_embedding.weight", ("model.embed_tokens.weight",), ("",), "vocab", False)]
+    for i in range(cfg.num_layers):
+        units += _layer_units(f"model.layers.{i}", f"transformer.layers.{i}", cfg, fmt, quantize, i)
+    units.append(Unit("transformer.ln_f.weight", ("model.norm.weight",), ("",), "replicated", False))
+    # TensorRT-LLM checkpoints always carry lm_head (share_embedding_table: false); a tied model gets a copy.
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    units.append(Unit("lm_head.weight", (head,), ("",), "vocab", False))
+    kv = [KVUnit(f"transformer.layers.{i}.attention", f"layers.{i}", i) for i in range(cfg.num_layers)]
+    return units, kv
+
+
+def drafter_units(cfg: DrafterConfig, fmt: str = "trtllm", quantize: bool = False) -> tuple[list[Unit], list[KVUnit]]:
+    """The drafter: its layers like the target's; `fc` (context projection) and `hidden_norm` replicated
+    on every rank, because the context vector is normed over the full hidden size before every layer's
+    K/V projection reads it."""
+    units: list[Unit] = []
+    for i in range(cfg.num_layers):
+        units += _layer_units(f"layers.{i}", f"transformer.layers.{i}", cfg, fmt, quantize, i)
+    if fmt == "hf":
+        units += [
+            Unit("norm.weight", ("norm.weight",), ("",), "replicated", False),
+            Unit("fc", ("fc",), ("",), "replicated", True, quantize),
+            Unit("hidden_norm.weight", ("hidden_norm.weight",), ("",), "replicated", False),
+        ]
+        kv_prefix = "layers.{i}.self_attn"
+    else:
+        units += [
+            Unit("transformer.ln_f.weight", ("norm.weight",), ("",), "replicated", False),
+            Unit("transformer.fc", ("fc",), ("",), "replicated", True, quantize),
+            Unit("transformer.hidden_norm.weight", ("hidden_norm.weight",), ("",), "replicated", False),
+        ]
+        kv_prefix = "transformer.layers.{i}.attention"
+    if cfg.draft_vocab_size is not None:
+        units.append(Unit("d2t", ("d2t",), ("",), "replicated", False))
+    return units, [KVUnit(kv_prefix.format(i=i), f"layers.{i}", i) for i in range(cfg.num_layers)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shapes and row placement per rank
+
+
+def source_rows_to_rank(unit: Unit, part: str, src_rows: int, cfg: TransformerConfig, tp: int, rank: int) -> list[parallel.RowMap]:
+    if unit.split == "qkv":
+        return parallel.qkv_rows(part, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp, rank)
+    if unit.split == "column":
+        return parallel.column_rows(src_rows, tp, rank)
+    if unit.split == "vocab":
+        return parallel.vocab_rows(src_rows, tp, rank)
+    return [parallel.RowMap(0, 0, src_rows)]
+
+
+def out_rows(unit: Unit, src_rows: int, cfg: TransformerConfig, tp: int) -> int:
+    if unit.split == "qkv":
+        return parallel.qkv_rows_per_rank(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
+    if unit.split == "column":
+        return src_rows // tp
+    if unit.split == "vocab":
+        return parallel.pad_vocab_size(src_rows, tp) // tp
+    return src_rows
+
+
+def scale_names(fmt: str) -> dict[str, str]:
+    if fmt == "hf":
+        return {"w": "weight_scale", "w2": "weight_scale_2", "a": "input_scale"}
+    return {"w": "weights_scaling_factor", "w2": "weights_scaling_factor_2", "a": "activation_scaling_factor"}
+
+
+def kv_tensor_names(kv: KVUnit, fmt: str) -> dict[str, str]:
+    """Names of one layer's KV-cache scales: {"k": ..., "v": ...} and, for TensorRT-LLM, the merged "kv"."""
+    if fmt == "hf":
+        return {"k": f"{kv.out}.k_proj.k_scale", "v": f"{kv.out}.v_proj.v_scale"}
+    return {"kv": f"{kv.out}.kv_cache_scaling_factor", "k": f"{kv.out}.k_cache_scaling_factor", "v": f"{kv.out}.v_cache_scaling_factor"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# config.json
+
+
+def _common_config(cfg: TransformerConfig, dtype: torch.dtype, tp: int, quant: str, kv_quant: str, architecture: str, decoder: str) -> dict[str, Any]:
+    """The keys ModelOpt's export writes (same names, same values), then the ones it leaves out but
+    TensorRT-LLM reads (rotary_base, rotary_scaling, qk_layernorm, qwen_type)."""
+    rope = cfg.rope
+    quantization: dict[str, Any] = {"quant_algo": QUANT_ALGOS[quant], "kv_cache_quant_algo": QUANT_ALGOS[kv_quant]}
+    if quant == "nvfp4":
+        quantization["group_size"] = 16
+    if quant != "none":
+        quantization["exclude_modules"] = list(EXCLUDED_MODULES)
+    raw: dict[str, Any] = {
+        "producer": {"name": "dflash-trt", "version": _version()},
+        "architecture": architecture,
+        "dtype": STR_DTYPES[dtype],
+        # fp32 logits: verification compares argmaxes, and fp16 logits would turn near-ties into flips
+        "logits_dtype": "float32",
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "hidden_size": cfg.hidden_size,
+        "norm_epsilon": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "use_parallel_embedding": True,
+        "embedding_sharding_dim": 0,
+        "head_size": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "position_embedding_type": "rope_gpt_neox",
+        "share_embedding_table": False,
+        "residual_mlp": False,
+        "bias": cfg.attention_bias,
+        "rotary_pct": 1.0,
+        "rank": 0,
+        "decoder": decoder,
+        "rmsnorm": True,
+        "lm_head_bias": False,
+        "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1},
+        "quantization": quantization,
+        "rotary_base": rope.theta,
+        "rotary_scaling": None
+        if rope.type == "default"
+        else {"type": rope.type, "factor": rope.factor}
+        | (
+            {
+                "low_freq_factor": rope.low_freq_factor,
+                "high_freq_factor": rope.high_freq_factor,
+                "original_max_position_embeddings": rope.original_max_position_embeddings,
+            }
+            if rope.type == "llama3"
+            else {}
+        ),
+        "qk_layernorm": cfg.qk_norm,
+        "attn_bias": cfg.attention_bias,
+        "mlp_bias": cfg.mlp_bias,
+    }
+    return raw
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def target_config_json(cfg: TargetConfig, dtype: torch.dtype, tp: int, quant: str, kv_quant: str) -> dict[str, Any]:
+    family = TARGET_ARCHITECTURES[cfg.architecture]
+    arch, decoder = TRTLLM_TARGET_ARCHITECTURES[family]
+    raw = _common_config(cfg, dtype, tp, quant, kv_quant, arch, decoder)
+    if family == "qwen3":
+        raw["qwen_type"] = "qwen3"
+    raw["tie_word_embeddings"] = cfg.tie_word_embeddings
+    raw["bos_token_id"] = cfg.bos_token_id
+    raw["eos_token_id"] = list(cfg.eos_token_ids)
+    return raw
+
+
+def drafter_config_json(cfg: DrafterConfig, target: TargetConfig, dtype: torch.dtype, tp: int, quant: str, kv_quant: str) -> dict[str, Any]:
+    raw = _common_config(cfg, dtype, tp, quant, kv_quant, TRTLLM_DRAFTER_ARCHITECTURE, "dflash")
+    raw.update(
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        target_layer_ids=list(cfg.target_layer_ids),
+        num_target_layers=target.num_layers,
+        target_hidden_size=target.hidden_size,
+        layer_types=list(cfg.layer_types),
+        sliding_window=cfg.sliding_window,
+        causal=cfg.causal_override,
+        draft_vocab_size=cfg.draft_vocab_size,
+    )
+    return raw
+
+
+def _hf_raw(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A TensorRT-LLM config.json back in Hugging Face's key names, for our config parsers."""
+    try:
+        hf = {
+            "hidden_size": raw["hidden_size"],
+            "intermediate_size": raw["intermediate_size"],
+            "num_hidden_layers": raw["num_hidden_layers"],
+            "num_attention_heads": raw["num_attention_heads"],
+            "num_key_value_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            "head_dim": raw.get("head_size"),
+            "vocab_size": raw["vocab_size"],
+            "rms_norm_eps": raw.get("norm_epsilon", 1e-6),
+            "max_position_embeddings": raw.get("max_position_embeddings", 4096),
+            "hidden_act": raw.get("hidden_act", "silu"),
+            "attention_bias": raw.get("attn_bias", raw.get("bias", False)),
+            "mlp_bias": raw.get("mlp_bias", False),
+            "rope_theta": raw.get("rotary_base", 10000.0),
+        }
+    except KeyError as e:
+        raise ConfigError("required key is missing", file=path, key=e.args[0]) from None
+    scaling = raw.get("rotary_scaling")
+    if scaling:
+        hf["rope_scaling"] = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
+    return hf
+
+
+def read_trtllm_config(directory: str | Path) -> tuple[Path, dict[str, Any]]:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError("config.json is missing", file=path)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"not valid JSON ({e})", file=path) from None
+    if not isinstance(raw, dict) or "mapping" not in raw or "architecture" not in raw:
+        raise ConfigError("not a TensorRT-LLM checkpoint config (no 'architecture' / 'mapping')", file=path)
+    return path, raw
+
+
+def is_trtllm_checkpoint(directory: str | Path) -> bool:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(raw, dict) and "mapping" in raw and "architecture" in raw
+
+
+def parse_trtllm_target_config(raw: dict[str, Any], path: Path) -> TargetConfig:
+    arch = raw.get("architecture")
+    families = {a: f for f, (a, _) in TRTLLM_TARGET_ARCHITECTURES.items()}
+    if arch not in families:
+        raise ConfigError(f"unsupported architecture {arch!r}; expected one of {sorted(families)}", file=path, key="architecture")
+    family = families[arch]
+    if arch == "QWenForCausalLM" and raw.get("qwen_type") != "qwen3":
+        raise ConfigError(f"qwen_type {raw.get('qwen_type')!r} is not supported (only qwen3)", file=path, key="qwen_type")
+    hf = _hf_raw(raw, path)
+    hf_arch = {v: k for k, v in TARGET_ARCHITECTURES.items()}[family]
+    hf.update(architectures=[hf_arch], tie_word_embeddings=raw.get("tie_word_embeddings", False))
+    for key in ("bos_token_id", "eos_token_id"):
+        if raw.get(key) is not None:
+            hf[key] = raw[key]
+    return parse_target_config(hf, path)
+
+
+def parse_trtllm_drafter_config(raw: dict[str, Any], path: Path) -> DrafterConfig:
+    if raw.get("architecture") != TRTLLM_DRAFTER_ARCHITECTURE:
+        raise ConfigError(f"unsupported drafter architecture {raw.get('architecture')!r}; expected {TRTLLM_DRAFTER_ARCHITECTURE!r}", file=path, key="architecture")
+    hf = _hf_raw(raw, path)
+    dflash = {"mask_token_id": raw.get("mask_token_id")}
+    ids = raw.get("target_layer_ids")
+    # Explicit ids are unique (the source parser checks); only z-lab's default spacing for a target with
+    # fewer layers than it assumes repeats ids, and num_target_layers rebuilds exactly those.
+    if not isinstance(ids, list) or len(set(ids)) == len(ids) or raw.get("num_target_layers") is None:
+        dflash["target_layer_ids"] = ids
+    if raw.get("causal") is not None:
+        dflash["causal"] = raw["causal"]
+    hf.update(
+        architectures=[DRAFTER_ARCHITECTURE],
+        block_size=raw.get("block_size", 16),
+        dflash_config=dflash,
+        num_target_layers=raw.get("num_target_layers"),
+        layer_types=raw.get("layer_types"),
+        sliding_window=raw.get("sliding_window"),
+        draft_vocab_size=raw.get("draft_vocab_size"),
+    )
+    return parse_drafter_config(hf, path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading a rank back (dequantized, Hugging Face names)
+
+
+def _tp_of(raw: dict[str, Any], path: Path) -> int:
+    mapping = raw.get("mapping")
+    if not isinstance(mapping, dict) or not isinstance(mapping.get("tp_size", 1), int):
+        raise ConfigError("expected an object with an integer tp_size", file=path, key="mapping")
+    if mapping.get("pp_size", 1) != 1:
+        raise ConfigError("pipeline parallelism is not supported", file=path, key="mapping.pp_size")
+    return int(mapping.get("tp_size", 1))
+
+
+def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.float32) -> tuple[TargetConfig | DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, tensors, raw config.json) of rank `rank` of a converted target or drafter: HF-named
+    tensors holding that rank's shard (q/k/v split back out of the fused qkv, weights dequantized to
+    `dtype`, vocab rows padded to a multiple of tp). Quantization scales are returned under
+    `<module>.input_scale` / `.k_scale` / `.v_scale` (fp32), for fake-quant or the engine path."""
+    directory = Path(directory)
+    path, raw = read_trtllm_config(directory)
+    tp = _tp_of(raw, path)
+    if not 0 <= rank < tp:
+        raise ConfigError(f"rank {rank} is outside mapping.tp_size={tp}", file=path, key="mapping.tp_size")
+    is_drafter = raw.get("architecture") == TRTLLM_DRAFTER_ARCHITECTURE
+    cfg = parse_trtllm_drafter_config(raw, path) if is_drafter else parse_trtllm_target_config(raw, path)
+    quant = {v: k for k, v in QUANT_ALGOS.items()}.get(raw.get("quantization", {}).get("quant_algo"))
+    if quant is None:
+        raise ConfigError(f"unsupported quant_algo {raw['quantization'].get('quant_algo')!r}", file=path, key="quantization.quant_algo")
+    units, kv_units = drafter_units(cfg, quantize=quant != "none") if is_drafter else target_units(cfg, quantize=quant != "none")
+    shard = directory / f"rank{rank}.safetensors"
+    if not shard.is_file():
+        raise CheckpointError(f"missing shard for rank {rank} of tp_size={tp}", file=shard)
+    ckpt = SafetensorsCheckpoint(directory, files=[shard.name])
+    used: set[str] = set()
+    names = scale_names("trtllm")
+
+    def get(name: str) -> torch.Tensor:
+        if name not in ckpt:
+            raise CheckpointError("required tensor is missing", file=shard, key=name)
+        used.add(name)
+        return ckpt.get(name)
+
+    out: dict[str, torch.Tensor] = {}
+    for unit in units:
+        if not unit.linear:
+            t = get(unit.out)
+            out[unit.sources[0]] = t.to(dtype) if t.is_floating_point() else t
+            continue
+        w = get(unit.out + ".weight")
+        if unit.quantized and quant == "fp8":
+            w = dequantize_fp8(w, get(f"{unit.out}.{names['w']}"), dtype)
+        elif unit.quantized and quant == "nvfp4":
+            w = dequantize_nvfp4(w, get(f"{unit.out}.{names['w']}"), get(f"{unit.out}.{names['w2']}"), dtype)
+        else:
+            w = w.to(dtype)
+        bias = get(unit.out + ".bias").to(dtype) if unit.bias else None
+        act = get(f"{unit.out}.{names['a']}").float() if unit.quantized else None
+        if unit.split == "qkv":
+            q_rows = cfg.num_heads // tp * cfg.head_dim
+            kv_rows = parallel.kv_heads_per_rank(cfg.num_kv_heads, tp) * cfg.head_dim
+            pieces = zip(unit.sources, (0, q_rows, q_rows + kv_rows), (q_rows, kv_rows, kv_rows))
+        else:
+            pieces = [(unit.sources[0], 0, w.shape[0])]
+        for src, start, n in pieces:
+            out[src + ".weight"] = w[start : start + n].contiguous()
+            if bias is not None:
+                out[src + ".bias"] = bias[start : start + n].contiguous()
+            if act is not None:
+                out[src + ".input_scale"] = act
+    if raw.get("quantization", {}).get("kv_cache_quant_algo") == "FP8":
+        for kv in kv_units:
+            names_kv = kv_tensor_names(kv, "trtllm")
+            attn = f"{'layers' if is_drafter else 'model.layers'}.{kv.layer}.self_attn"
+            out[f"{attn}.k_proj.k_scale"] = get(names_kv["k"]).float()
+            out[f"{attn}.v_proj.v_scale"] = get(names_kv["v"]).float()
+            get(names_kv["kv"])
+    extra = sorted(set(ckpt.keys()) - used)
+    if extra:
+        raise CheckpointError("unexpected tensor (not part of this architecture and quantization)", file=shard, key=extra[0])
+    return cfg, out, raw
+
+
+SCALE_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
+
+
+def trtllm_source(directory: str | Path, rank: int, dtype: torch.dtype) -> tuple[TargetConfig | DrafterConfig, InMemorySource]:
+    """A rank of a converted checkpoint as a TensorSource for `load_module` (scales left out)."""
+    cfg, tensors, _ = read_rank(directory, rank, dtype)
+    shard = Path(directory) / f"rank{rank}.safetensors"
+    weights = {k: v for k, v in tensors.items() if not k.endswith(SCALE_SUFFIXES)}
+    return cfg, InMemorySource(weights, dict.fromkeys(weights, shard), Path(directory))
+
+
+def single_rank_source(directory: str | Path, dtype: torch.dtype) -> tuple[TargetConfig | DrafterConfig, InMemorySource]:
+    """The whole model of a tp=1 checkpoint (a single process cannot run a sharded one)."""
+    path, raw = read_trtllm_config(directory)
+    tp = _tp_of(raw, path)
+    if tp != 1:
+        raise ConfigError(f"this checkpoint is sharded for tp_size={tp}: run it with `mpirun -n {tp}` (the TP runtime)", file=path, key="mapping.tp_size")
+    return trtllm_source(directory, 0, dtype)
