@@ -381,6 +381,8 @@ def convert(
                         tensors, expected = writer.plan(r)
                         writers.append(SafetensorsWriter(sub / fname, tensors, expected))
                     writer.write(writers, bar)
+                    for w in writers:
+                        w.finish()
                 finally:
                     for w in writers:
                         stats.bytes_written += w.bytes_written

@@ -134,7 +134,7 @@ class SafetensorsWriter:
     """Writes one .safetensors file whose tensors (name → (dtype, shape)) are declared up front.
 
     The file is sized at once (unwritten bytes read as zeros, which vocab padding relies on); rows
-    of each tensor are then written in any order with `write_rows`, and `close` checks that every
+    of each tensor are then written in any order with `write_rows`, and `finish` checks that every
     tensor got the bytes it was promised."""
 
     def __init__(self, path: str | Path, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], expected_bytes: dict[str, int] | None = None,
@@ -179,10 +179,13 @@ class SafetensorsWriter:
         self.write_rows(name, 0, tensor)
 
     def close(self) -> None:
-        if self._fd < 0:
-            return
-        os.close(self._fd)
-        self._fd = -1
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def finish(self) -> None:
+        """Close, checking that every tensor got all its bytes."""
+        self.close()
         for name, want in self.expected.items():
             if self.written[name] != want:
                 raise RuntimeError(f"{self.path}: {name}: wrote {self.written[name]} of {want} bytes (converter bug)")
