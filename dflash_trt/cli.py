@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.register_cli(sub)
     convert.register_cli(sub)
     bench.register_cli(sub)
+    from . import serve  # serve, triton-repo (their server dependencies load only when they run)
+
+    serve.register_cli(sub)
     return parser
 
 

@@ -128,11 +128,13 @@ class _ModelWriter:
         return [u for u in self.units if unit.group is not None and u.group == unit.group] or [unit]
 
     def _weight_amax(self, unit: Unit, progress) -> float:
-        """Largest |w| over the unit's fusion group (one pass of row chunks over each source)."""
-        key = unit.group or unit.out
+        """Largest |w| over the unit's fusion group (one pass of row chunks over each source). ModelOpt's HF
+        export shares it within q/k/v and gate/up for NVFP4 (weight_scale_2) but not for FP8 (weight_scale)."""
+        shared = self.fmt == "trtllm" or self.quant == "nvfp4"
+        key = (unit.group if shared else None) or unit.out
         if key not in self._group_amax:
             value = 0.0
-            for member in self._members(unit):
+            for member in self._members(unit) if shared else [unit]:
                 for src in member.sources:
                     name = src + ".weight"
                     for _, chunk in self._chunks(name):
@@ -201,7 +203,7 @@ class _ModelWriter:
                     b = a + chunk.shape[0]
                     blocks = None
                     if q and self.quant == "fp8":
-                        data = quantize_fp8(chunk, w_scale)
+                        data = quantize_fp8(chunk, w_scale, round_via=self.dtype if self.fmt == "hf" else None)
                     elif q:
                         data, blocks = quantize_nvfp4(chunk, g)
                     else:

@@ -41,9 +41,10 @@ from .quant import dequantize_fp8, dequantize_nvfp4
 
 # The MODEL_MAP key our drafter registers under in tensorrt_llm (dflash_trt/trtllm, the engine path).
 TRTLLM_DRAFTER_ARCHITECTURE = "DFlashDraftForCausalLM"
-# family → (architecture, ModelOpt's `decoder` field); TensorRT-LLM maps Qwen3ForCausalLM to QWenForCausalLM
-# with qwen_type "qwen3" (tensorrt_llm/models/__init__.py, models/qwen/config.py).
-TRTLLM_TARGET_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("QWenForCausalLM", "qwen")}
+# family → (architecture, ModelOpt's `decoder` field), as ModelOpt writes them; TensorRT-LLM's MODEL_MAP
+# maps "Qwen3ForCausalLM" to its QWenForCausalLM class, which reads qwen_type (tensorrt_llm/models/__init__.py,
+# models/qwen/config.py). "QWenForCausalLM" + qwen_type "qwen3" is read back too.
+TRTLLM_TARGET_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen")}
 QUANT_ALGOS = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}
 EXCLUDED_MODULES = ["lm_head"]  # embeddings and norms are never quantized; lm_head stays high precision
 STR_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -350,7 +351,7 @@ def is_trtllm_checkpoint(directory: str | Path) -> bool:
 
 def parse_trtllm_target_config(raw: dict[str, Any], path: Path) -> TargetConfig:
     arch = raw.get("architecture")
-    families = {a: f for f, (a, _) in TRTLLM_TARGET_ARCHITECTURES.items()}
+    families = {a: f for f, (a, _) in TRTLLM_TARGET_ARCHITECTURES.items()} | {"QWenForCausalLM": "qwen3"}
     if arch not in families:
         raise ConfigError(f"unsupported architecture {arch!r}; expected one of {sorted(families)}", file=path, key="architecture")
     family = families[arch]

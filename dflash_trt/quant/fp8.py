@@ -25,9 +25,15 @@ def kv_cache_scale(amax: torch.Tensor | float) -> torch.Tensor:
     return torch.clamp(fp8_scale(amax), min=1.0)
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (any float dtype) / scale, rounded to the nearest e4m3 (saturating at ±448)."""
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, round_via: torch.dtype | None = None) -> torch.Tensor:
+    """x (any float dtype) / scale, rounded to the nearest e4m3 (saturating at ±448).
+
+    `round_via`: round the quotient to this dtype first. ModelOpt's HF export divides a bf16 weight by a
+    0-dim fp32 scale, which torch computes in bf16 (a 0-dim operand does not promote), so its bytes are
+    e4m3(bf16(x / s)); its TensorRT-LLM export uses a (1,) scale and gets e4m3(x / s) in fp32."""
     y = x.float() / scale.float()
+    if round_via is not None:
+        y = y.to(round_via).float()
     return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
