@@ -490,3 +490,43 @@ def single_rank_source(directory: str | Path, dtype: torch.dtype) -> tuple[Targe
     if tp != 1:
         raise ConfigError(f"this checkpoint is sharded for tp_size={tp}: run it with `mpirun -n {tp}` (the TP runtime)", file=path, key="mapping.tp_size")
     return trtllm_source(directory, 0, dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# ModelOpt's quantized-HF format back (what `convert --format hf` writes)
+
+
+def is_quantized_hf(directory: str | Path) -> bool:
+    return (Path(directory) / "hf_quant_config.json").is_file()
+
+
+def quantized_hf_source(directory: str | Path, dtype: torch.dtype) -> InMemorySource:
+    """HF-named weights of a ModelOpt-format quantized checkpoint, dequantized (scales left out)."""
+    directory = Path(directory)
+    qpath = directory / "hf_quant_config.json"
+    try:
+        algo = json.loads(qpath.read_text())["quantization"]["quant_algo"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ConfigError("malformed (expected {'quantization': {'quant_algo': ...}})", file=qpath, key="quantization.quant_algo") from None
+    if algo not in (None, "FP8", "NVFP4"):
+        raise ConfigError(f"unsupported quant_algo {algo!r}; expected FP8 or NVFP4", file=qpath, key="quantization.quant_algo")
+    ckpt = SafetensorsCheckpoint(directory)
+    names = scale_names("hf")
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    for name in ckpt.keys():
+        if name.endswith(tuple("." + s for s in names.values()) + (".k_scale", ".v_scale")):
+            continue
+        t = ckpt.get(name)
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module is not None and f"{module}.{names['w']}" in ckpt:
+            scale = ckpt.get(f"{module}.{names['w']}")
+            if algo == "NVFP4":
+                t = dequantize_nvfp4(t, scale, ckpt.get(f"{module}.{names['w2']}"), dtype)
+            else:
+                t = dequantize_fp8(t, scale, dtype)
+        elif t.is_floating_point():
+            t = t.to(dtype)
+        tensors[name] = t
+        origin[name] = ckpt.file_of(name)
+    return InMemorySource(tensors, origin, directory)

@@ -379,3 +379,24 @@ def test_bad_input_exit_2_and_nothing_written(models, tmp_path, capsys):
     assert main(["convert", "--target", str(target), "--drafter", str(drafter), "--out", str(outdir / "tp"), "--tp", "3", "--quiet"]) == 2
     assert "num_attention_heads" in capsys.readouterr().err
     assert list(outdir.iterdir()) == []
+
+
+def test_quantized_hf_format_loads_like_trtllm(models, tmp_path):
+    """--format hf (ModelOpt's unified layout) loads back dequantized to the very weights of the TensorRT-LLM
+    checkpoint from the same calibration (NVFP4 scales are shared the same way in both), and runs lossless."""
+    root, target, drafter, *_ = models
+    from dflash_trt.quant.calibrate import calibrate
+
+    amax = calibrate(load_torch_backend(target, drafter), PROMPTS, max_new_tokens=4, progress=False)
+    for fmt in ("trtllm", "hf"):
+        convert(target, drafter, tmp_path / fmt, dtype="fp32", quant="nvfp4", kv_cache_quant="fp8", fmt=fmt, amax=amax, **QUIET)
+    hf_cfg = json.loads((tmp_path / "hf" / "target" / "hf_quant_config.json").read_text())["quantization"]
+    assert hf_cfg == {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head", "model.embed_tokens"]}
+    a = load_torch_backend(tmp_path / "trtllm" / "target", tmp_path / "trtllm" / "drafter")
+    b = load_torch_backend(tmp_path / "hf" / "target", tmp_path / "hf" / "drafter")
+    for model_a, model_b in ((a.target, b.target), (a.drafter, b.drafter)):
+        sa, sb = model_a.state_dict(), model_b.state_dict()
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+    assert _generate(b, PROMPTS) == _generate(load_torch_backend(tmp_path / "hf" / "target", None), PROMPTS)

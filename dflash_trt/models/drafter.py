@@ -97,12 +97,12 @@ class DFlashDrafter(nn.Module):
 
 
 def load_drafter(directory: str | Path, target_cfg: TargetConfig, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DFlashDrafter:
-    from ..trtllm_format import is_trtllm_checkpoint, single_rank_source
+    from ..trtllm_format import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
 
     cfg = check_pair(target_cfg, load_drafter_config(directory))
     feature_width = len(cfg.target_layer_ids) * target_cfg.hidden_size
-    if is_trtllm_checkpoint(directory):
-        _, source = single_rank_source(directory, dtype)
+    if is_trtllm_checkpoint(directory) or is_quantized_hf(directory):
+        source = single_rank_source(directory, dtype)[1] if is_trtllm_checkpoint(directory) else quantized_hf_source(directory, dtype)
         model = load_module(lambda: DFlashDrafter(cfg, feature_width), source, dtype, device)
         model.fuse_context_projections()
         return model

@@ -97,13 +97,13 @@ class TargetModel(nn.Module):
 
 def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TargetModel:
     """From a Hugging Face directory, or from a converted TensorRT-LLM checkpoint (tp=1; weights dequantized)."""
-    from ..trtllm_format import is_trtllm_checkpoint, single_rank_source
+    from ..trtllm_format import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
 
     if is_trtllm_checkpoint(directory):
         cfg, source = single_rank_source(directory, dtype)
-        ignore = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-        return load_module(lambda: TargetModel(cfg), source, dtype, device, ignore=ignore)
-    cfg = load_target_config(directory)
+    else:
+        cfg = load_target_config(directory)
+        source = quantized_hf_source(directory, dtype) if is_quantized_hf(directory) else directory
     # A tied checkpoint may still carry lm_head.weight; the embedding is what is used.
     ignore = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    return load_module(lambda: TargetModel(cfg), directory, dtype, device, ignore=ignore)
+    return load_module(lambda: TargetModel(cfg), source, dtype, device, ignore=ignore)
