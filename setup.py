@@ -20,10 +20,19 @@ setup(
     extras_require={
         "trt": ["tensorrt_llm", "tensorrt", "nvidia-modelopt"],
         "mpi": ["mpi4py"],
+        # dflash-trt serve (OpenAI-compatible HTTP); triton-repo needs nothing beyond the runtime
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "httpx>=0.27"],
         # fetch-models converts a GGUF checkpoint once, through transformers' GGUF loader;
         # the GSM-Symbolic prompt sets are reasoning-gym's generators; bench plots with matplotlib
         "fetch": ["gguf>=0.10", "accelerate", "reasoning-gym==0.1.25", "pyyaml", "matplotlib"],
-        "dev": ["pytest>=8", "scipy", "gguf>=0.10", "accelerate", "reasoning-gym==0.1.25", "pyyaml", "matplotlib"],
+        # dev: the tests' oracles too: ModelOpt (TensorRT-LLM checkpoint format), Triton's own
+        # model-config protobuf (tritonclient), the openai client against our server
+        "dev": [
+            "pytest>=8", "scipy", "gguf>=0.10", "accelerate", "reasoning-gym==0.1.25", "pyyaml", "matplotlib",
+            "nvidia-modelopt==0.47.0", "requests", "huggingface_hub",
+            "fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "httpx>=0.27",
+            "tritonclient[grpc]>=2.40", "openai>=1.0",
+        ],
     },
     entry_points={"console_scripts": ["dflash-trt=dflash_trt.cli:main"]},
 )

@@ -80,6 +80,18 @@ class Generator:
         params: SamplingParams = SamplingParams(),
         on_token: Callable[[int, int], None] | None = None,
     ) -> int:
+        self.check(prompt_ids, params)
+        seq_id = next(self._ids)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        self._waiting.append(
+            Sequence(seq_id, list(prompt_ids), params, frozenset(stop), torch.Generator().manual_seed(seed), on_token)
+        )
+        return seq_id
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError / KVCacheFullError if `submit` would refuse this request. Reads no queue
+        state, so a server may call it from another thread than the one that steps."""
         params.validate()
         if not prompt_ids:
             raise RequestError("the prompt is empty")
@@ -95,23 +107,26 @@ class Generator:
                 f"a request of {total} tokens needs {pages} KV pages, the pool has {self.backend.num_pages} in total; "
                 "raise --kv-pages or lower max_new_tokens"
             )
-        seq_id = next(self._ids)
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        self._waiting.append(
-            Sequence(seq_id, list(prompt_ids), params, frozenset(stop), torch.Generator().manual_seed(seed), on_token)
-        )
-        return seq_id
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
 
     @property
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
-    def cancel(self, seq_id: int) -> None:
-        """Drop a request (e.g. its client went away) and free its KV pages."""
+    def cancel(self, seq_id: int) -> RequestOutput | None:
+        """Drop a request (e.g. its client went away) and free its KV pages; returns its output so far
+        (finish_reason "cancelled") if it was running."""
         self._waiting = deque(s for s in self._waiting if s.seq_id != seq_id)
         if seq_id in self._running:
-            self._finish(seq_id)
+            return self._finish(seq_id)
+        return None
 
     # -- steps --------------------------------------------------------------------------------
 

@@ -52,15 +52,19 @@ def nvfp4_block_scales(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Ten
 
 
 def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """fp32 values already divided by their scale → 4-bit codes (uint8), round to nearest, ties to even."""
+    """fp32 values already divided by their scale → 4-bit codes (uint8), round to nearest, ties to even.
+
+    The code of |y| is the number of midpoints it lies above: strictly above for a midpoint whose tie
+    goes to the lower (even) code, at-or-above where it goes to the upper one. Seven uint8 compare-adds
+    are several times faster than a bucketize into int64."""
     mag = y.abs()
-    mids = _MIDPOINTS.to(y.device)
-    # bucketize(right=False) counts midpoints strictly below: a value exactly on a midpoint goes down,
-    # which is the even code for midpoints 0, 2, 4, 6 and the odd one for 1, 3, 5: move those up.
-    code = torch.bucketize(mag, mids)
-    on_odd_mid = (mag == mids[1]) | (mag == mids[3]) | (mag == mids[5])
-    code = code + on_odd_mid.to(code.dtype)
-    return (code.to(torch.uint8) | ((y < 0).to(torch.uint8) << 3))
+    code = (mag > _MIDPOINTS[0].item()).view(torch.uint8).clone()
+    for i, mid in enumerate(_MIDPOINTS.tolist()[1:], start=1):
+        # midpoint i lies between codes i and i + 1: the tie goes up when i + 1 is even
+        above = mag >= mid if i % 2 else mag > mid
+        code += above.view(torch.uint8)
+    code |= (y < 0).view(torch.uint8) << 3
+    return code
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, block_scales: torch.Tensor | None = None):

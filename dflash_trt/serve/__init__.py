@@ -1,0 +1,101 @@
+"""Serving: `dflash-trt serve` (OpenAI-compatible HTTP server) and `dflash-trt triton-repo`
+(a Triton Inference Server model repository). Both run the same `EngineCore` over the runtime.
+
+fastapi / uvicorn / prometheus_client are imported only when `serve` runs (`pip install dflash-trt[serve]`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _model_args(p) -> None:
+    p.add_argument("--target", required=True, help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--drafter", help="DFlash drafter directory (released z-lab format)")
+    p.add_argument("--drafter-type", choices=["dflash", "eagle3"], default="dflash")
+    p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --target)")
+    p.add_argument("--block-size", type=int, help="verify block size, 2..drafter block_size (default: the drafter's)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--max-batch", type=int, default=8, help="requests in the running batch")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per request (capped by the target's limit)")
+    p.add_argument("--kv-pages", type=int, help="KV pool size in pages (default: --max-batch requests of --max-model-len)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request does not say")
+    p.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
+
+
+def _drafter_dir(args) -> str | None:
+    from ..errors import ConfigError
+
+    if args.no_drafter:
+        return None
+    if args.drafter is None:
+        raise ConfigError("no drafter given: pass --drafter DIR, or --no-drafter for plain decoding", key="--drafter")
+    return args.drafter
+
+
+def _positive(args, *names: str) -> None:
+    from ..errors import ConfigError
+
+    for name in names:
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None and value < 1:
+            raise ConfigError(f"must be >= 1, got {value}", key=f"--{name}")
+
+
+def cmd_serve(args) -> int:
+    import torch
+
+    from .engine import load_model
+    from .server import Server, run
+
+    _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens", "threads")
+    if args.max_queue < 0:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"must be >= 0, got {args.max_queue}", key="--max-queue")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(
+        args.target, _drafter_dir(args), tokenizer_dir=args.tokenizer, drafter_type=args.drafter_type, dtype=args.dtype,
+        max_batch=args.max_batch, max_model_len=args.max_model_len, kv_pages=args.kv_pages, page_size=args.page_size,
+        block_size=args.block_size,
+    )
+    name = args.model_name or Path(args.target).resolve().name
+    server = Server(model, name, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens)
+    mode = "autoregressive" if model.drafter is None else f"{args.drafter_type} block={model.block_size}"
+    print(f"serving '{name}' [{mode}] on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, queue {args.max_queue})", flush=True)
+    run(server, args.host, args.port, args.log_level)
+    return 0
+
+
+def cmd_triton_repo(args) -> int:
+    from .triton_repo import write_repository
+
+    _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens")
+    out = write_repository(
+        args.out, target=args.target, drafter=_drafter_dir(args), model_name=args.model_name or "dflash",
+        tokenizer=args.tokenizer, drafter_type=args.drafter_type, block_size=args.block_size, dtype=args.dtype,
+        max_batch=args.max_batch, max_model_len=args.max_model_len, kv_pages=args.kv_pages, page_size=args.page_size,
+        default_max_tokens=args.default_max_tokens, force=args.force,
+    )
+    print(out)
+    return 0
+
+
+def register_cli(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, continuous batching, Prometheus metrics)")
+    _model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --max-batch; more get 429")
+    s.add_argument("--threads", type=int, help="torch CPU threads")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
+
+    t = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (Python backend, decoupled streaming)")
+    t.add_argument("--out", required=True, help="repository directory to create")
+    _model_args(t)
+    t.add_argument("--force", action="store_true", help="replace --out if it exists")
+    t.set_defaults(func=cmd_triton_repo)

@@ -1,0 +1,109 @@
+"""`dflash-trt triton-repo`: a Triton Inference Server model repository for our runtime.
+
+    OUT/<model_name>/config.pbtxt   Python backend, decoupled (streaming) transaction policy
+    OUT/<model_name>/1/model.py     a copy of dflash_trt/serve/triton_model.py
+
+Inputs and outputs carry the names users of Triton's TensorRT-LLM backend know from its
+`tensorrt_llm_bls` / `ensemble` models (text_input, max_tokens, stop_words, end_id, top_k,
+top_p, temperature, random_seed, stream → text_output), so their clients keep working;
+`num_input_tokens`, `num_output_tokens` and `dflash_tau` are our additions. The model
+parameters name the checkpoint directories as absolute paths (the model loads them at
+`initialize`, from inside the Triton container: mount them at the same paths).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..config import load_target_config
+from ..errors import ConfigError
+
+# (name, Triton data type, dims, optional); with max_batch_size > 0 Triton prepends the batch dim.
+INPUTS = [
+    ("text_input", "TYPE_STRING", [1], False),
+    ("max_tokens", "TYPE_INT32", [1], False),
+    ("stop_words", "TYPE_STRING", [-1], True),
+    ("end_id", "TYPE_INT32", [1], True),
+    ("top_k", "TYPE_INT32", [1], True),
+    ("top_p", "TYPE_FP32", [1], True),
+    ("temperature", "TYPE_FP32", [1], True),
+    ("random_seed", "TYPE_UINT64", [1], True),
+    ("stream", "TYPE_BOOL", [1], True),
+]
+OUTPUTS = [
+    ("text_output", "TYPE_STRING", [-1]),
+    ("num_input_tokens", "TYPE_INT32", [1]),
+    ("num_output_tokens", "TYPE_INT32", [1]),
+    ("dflash_tau", "TYPE_FP32", [1]),
+]
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def config_pbtxt(model_name: str, max_batch: int, parameters: dict[str, str]) -> str:
+    """The model's config.pbtxt (protobuf text format of Triton's ModelConfig)."""
+    lines = [f"name: {_quote(model_name)}", 'backend: "python"', f"max_batch_size: {max_batch}", "",
+             "model_transaction_policy {", "  decoupled: true", "}", "", "input ["]
+    for i, (name, dtype, dims, optional) in enumerate(INPUTS):
+        sep = "," if i < len(INPUTS) - 1 else ""
+        opt = "\n    optional: true" if optional else ""
+        lines.append(f"  {{\n    name: {_quote(name)}\n    data_type: {dtype}\n    dims: {dims}{opt}\n  }}{sep}")
+    lines += ["]", "output ["]
+    for i, (name, dtype, dims) in enumerate(OUTPUTS):
+        sep = "," if i < len(OUTPUTS) - 1 else ""
+        lines.append(f"  {{\n    name: {_quote(name)}\n    data_type: {dtype}\n    dims: {dims}\n  }}{sep}")
+    lines += ["]", ""]
+    # One instance: the engine thread inside it batches requests continuously (Triton's own batcher stays off).
+    lines += ["instance_group [", "  {", "    count: 1", "    kind: KIND_CPU", "  }", "]", ""]
+    for key, value in parameters.items():
+        lines.append(f"parameters {{\n  key: {_quote(key)}\n  value: {{ string_value: {_quote(value)} }}\n}}")
+    return "\n".join(lines) + "\n"
+
+
+def write_repository(
+    out: str | Path, *, target: str, drafter: str | None, model_name: str = "dflash", tokenizer: str | None = None,
+    drafter_type: str = "dflash", block_size: int | None = None, dtype: str = "fp32", max_batch: int = 8,
+    max_model_len: int = 2048, kv_pages: int | None = None, page_size: int = 16, default_max_tokens: int = 256,
+    force: bool = False,
+) -> Path:
+    """Write the repository atomically (temp dir, then rename); returns its path."""
+    out = Path(out)
+    load_target_config(target)  # a wrong target fails here, naming its file, not at Triton start-up
+    if drafter is not None and not (Path(drafter) / "config.json").is_file():
+        raise ConfigError("drafter directory has no config.json", file=drafter)
+    if out.exists() and not force:
+        raise ConfigError("output directory exists (pass --force to replace it)", file=out)
+    if not model_name or "/" in model_name:
+        raise ConfigError(f"not a valid Triton model name: {model_name!r}", key="--model-name")
+    params = {
+        "target_dir": str(Path(target).resolve()),
+        "drafter_dir": str(Path(drafter).resolve()) if drafter else "",
+        "tokenizer_dir": str(Path(tokenizer).resolve()) if tokenizer else "",
+        "drafter_type": drafter_type,
+        "block_size": str(block_size or ""),
+        "dtype": dtype,
+        "max_batch": str(max_batch),
+        "max_model_len": str(max_model_len),
+        "kv_pages": str(kv_pages or ""),
+        "page_size": str(page_size),
+        "default_max_tokens": str(default_max_tokens),
+        # where dflash_trt can be imported from if it is not installed in Triton's Python
+        "python_path": str(Path(__file__).resolve().parents[2]),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / model_name / "1").mkdir(parents=True)
+        (tmp / model_name / "config.pbtxt").write_text(config_pbtxt(model_name, max_batch, params))
+        shutil.copyfile(Path(__file__).with_name("triton_model.py"), tmp / model_name / "1" / "model.py")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
