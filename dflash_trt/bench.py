@@ -147,7 +147,7 @@ def cmd_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_target_config(args.target)
-    tok = load_tokenizer(args.target)
+    tok = load_tokenizer(args.tokenizer or args.target)
     target = load_target(args.target, dtype=DTYPES[args.dtype])
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     domains = [d for d in args.domains.split(",") if d]
@@ -164,9 +164,9 @@ def cmd_bench(args) -> int:
     if args.drafter:
         drafter = load_drafter(args.drafter, cfg, dtype=DTYPES[args.dtype])
         methods.append(Method("dflash", TorchBackend(target, drafter, num_pages=pages, block_size=args.block_size)))
-    eos = generation_eos_ids(args.target, tok)
+    eos = generation_eos_ids(args.target, tok, args.tokenizer)
     results = run_bench(methods, prompt_sets, eos, args.max_new_tokens, concurrency, progress=not args.quiet)
-    results["setup"] = {"target": str(args.target), "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "block_size": args.block_size,
+    results["setup"] = {"target": str(args.target), "tokenizer": args.tokenizer, "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "block_size": args.block_size,
                         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}
     names = [m.name for m in methods]
     header = (f"# dflash-trt bench: {Path(args.target).name}, {args.dtype}, block {args.block_size or 'drafter default'}, "
@@ -187,6 +187,7 @@ def register_cli(sub) -> None:
     b.add_argument("--target", required=True)
     b.add_argument("--drafter", help="DFlash drafter directory")
     b.add_argument("--eagle", help="EAGLE-3-style baseline drafter directory (chain length = its block_size - 1)")
+    b.add_argument("--tokenizer", help="tokenizer directory (default: --target; for a converted checkpoint, its top directory)")
     b.add_argument("--domains", default=",".join(EVAL_DOMAINS))
     b.add_argument("--num-prompts", type=int, default=8, help="prompts per domain")
     b.add_argument("--max-new-tokens", type=int, default=128)

@@ -38,15 +38,17 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer.encode(text)
 
 
-def generation_eos_ids(target_dir: str | Path, tokenizer) -> set[int]:
-    """EOS ids from config.json, generation_config.json and the tokenizer: generation stops at any of them."""
+def generation_eos_ids(target_dir: str | Path, tokenizer, tokenizer_dir: str | Path | None = None) -> set[int]:
+    """EOS ids from config.json, generation_config.json (beside the target, or beside the tokenizer: a
+    converted checkpoint keeps it there) and the tokenizer: generation stops at any of them."""
     from .config import load_target_config
 
     ids: set[int] = set(load_target_config(target_dir).eos_token_ids)
-    path = Path(target_dir) / "generation_config.json"
-    if path.is_file():
-        value = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    for directory in {Path(target_dir), Path(tokenizer_dir or target_dir)}:
+        path = directory / "generation_config.json"
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
