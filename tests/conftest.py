@@ -4,11 +4,17 @@ z-lab's released layout (drafters), plus a tiny tokenizer with a chat template."
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
+
+# Triton kernels run in its interpreter on CPU. The variable is read when triton is first imported, and
+# other tests' imports (modelopt, torch's own) may get there first: set it before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dflash_trt.config import load_drafter_config, load_target_config
 from dflash_trt.models.drafter import DFlashDrafter

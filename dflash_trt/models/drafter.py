@@ -23,7 +23,8 @@ from ..checkpoint import SafetensorsCheckpoint, load_module
 from ..config import DrafterConfig, TargetConfig, check_pair, load_drafter_config
 from ..errors import CheckpointError
 from ..kv_cache import AttentionBatch, PagedKVCache
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary, apply_rope, paged_attention, register_d2t
+from .. import kernels
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary, register_d2t
 
 
 class DrafterLayer(nn.Module):
@@ -40,7 +41,7 @@ class DrafterLayer(nn.Module):
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         k_pool[batch.write_slots] = k.to(k_pool.dtype)
         v_pool[batch.write_slots] = v.to(v_pool.dtype)
-        attn = paged_attention(q, k_pool, v_pool, batch, causal=self.causal, window=self.window)
+        attn = kernels.block_attention(q, k_pool, v_pool, batch, causal=self.causal, window=self.window)
         x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -66,26 +67,17 @@ class DFlashDrafter(nn.Module):
         self.ctx_k_norm = torch.stack([a.k_norm.weight for a in attn]).detach()  # [L, hd]
 
     def new_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
-        p = self.fc.weight
-        return PagedKVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, num_pages, page_size, p.dtype, p.device, name="drafter")
+        p, nkv = self.fc.weight, self.layers[0].self_attn.num_kv_heads  # this rank's heads under TP
+        return PagedKVCache(self.cfg.num_layers, nkv, self.cfg.head_dim, num_pages, page_size, p.dtype, p.device, name="drafter")
 
     def inject_context(self, features: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, cache: PagedKVCache) -> None:
         """features: [T, n_ids·H_target] for tokens at `positions` → their K/V in every layer's cache."""
         cfg = self.cfg
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, H]
         kv = torch.nn.functional.linear(ctx, self.ctx_kv_weight, self.ctx_kv_bias)
-        kv = kv.view(-1, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
-        k, v = kv[:, :, 0], kv[:, :, 1]  # [T, L, nkv, hd]
-        # per-layer k_norm (RMSNorm over head_dim), fp32 statistics like RMSNorm.forward
-        k32 = k.float()
-        k = (k32 * torch.rsqrt(k32.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)).to(k.dtype)
-        k = k * self.ctx_k_norm[None, :, None, :]
-        cos, sin = self.rotary(positions, k.dtype)
-        T = k.shape[0]
-        k = apply_rope(k.reshape(T, cfg.num_layers * cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        k = k.view(T, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        cache.k[:, write_slots] = k.transpose(0, 1).to(cache.k.dtype)
-        cache.v[:, write_slots] = v.transpose(0, 1).to(cache.v.dtype)
+        # k_norm, RoPE and the paged scatter of every layer's K/V: one kernel on CUDA
+        cos, sin = self.rotary(positions, kv.dtype)
+        kernels.kv_inject(kv, self.ctx_k_norm, cos, sin, write_slots, cache.k, cache.v, cfg.rms_norm_eps)
 
     def forward(self, block_embeds: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache) -> torch.Tensor:
         """block_embeds: [T, H] (target embedding of the blocks) → final-normed hidden [T, H]."""
