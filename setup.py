@@ -16,10 +16,13 @@ setup(
         "tokenizers>=0.19",
         "numpy",
         "tqdm",
+        "pyyaml",  # build_configs/ (dflash-trt build)
     ],
     extras_require={
         "trt": ["tensorrt_llm", "tensorrt", "nvidia-modelopt"],
         "mpi": ["mpi4py"],
+        # Triton kernels on CUDA (DFLASH_KERNELS=auto uses them there; torch references elsewhere)
+        "kernels": ["triton>=3.6"],
         # dflash-trt serve (OpenAI-compatible HTTP); triton-repo needs nothing beyond the runtime
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "httpx>=0.27"],
         # fetch-models converts a GGUF checkpoint once, through transformers' GGUF loader;
@@ -32,6 +35,9 @@ setup(
             "nvidia-modelopt==0.47.0", "requests", "huggingface_hub",
             "fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "httpx>=0.27",
             "tritonclient[grpc]>=2.40", "openai>=1.0",
+            # kernels under TRITON_INTERPRET=1 and AOT-compiled for sm_90/100/103; TensorRT-RTX's builder
+            # as the CPU check of plain TensorRT network code
+            "triton==3.9.0", "tensorrt-rtx==1.7.1.116", "mpi4py",
         ],
     },
     entry_points={"console_scripts": ["dflash-trt=dflash_trt.cli:main"]},

@@ -78,33 +78,87 @@ def read_prompts(args) -> list[str]:
 
 def cmd_generate(args) -> int:
     from .config import load_target_config
-    from .runtime import Generator
-    from .sampling import SamplingParams
     from .torch_backend import load_torch_backend
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.checkpoint:
+        return generate_checkpoint(args)
+    if not args.target:
+        raise ConfigError("pass --target DIR (Hugging Face), or --checkpoint DIR (the output of dflash-trt convert)", key="--target")
     target_cfg = load_target_config(args.target)  # fail on the config before touching weights
     tokenizer = load_tokenizer(args.tokenizer or args.target)
     prompts = [encode_prompt(tokenizer, p, chat=not args.no_chat_template) for p in read_prompts(args)]
     drafter_dir = None if args.no_drafter else args.drafter
     if drafter_dir is None and not args.no_drafter:
         raise ConfigError("no drafter given: pass --drafter DIR, or --no-drafter for plain decoding", key="--drafter")
+    pages = kv_pages(args, prompts)
+    backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], args.device, pages, args.page_size, args.block_size, args.drafter_type)
+    eos = generation_eos_ids(args.target, tokenizer)
+    mode = "autoregressive" if drafter_dir is None else f"{args.drafter_type} block={backend.block_size}"
+    return run_generation(args, backend, tokenizer, prompts, eos, target_cfg.max_position_embeddings, mode)
 
-    page_size = args.page_size
+
+def kv_pages(args, prompts: list[list[int]]) -> int:
     max_batch = min(args.max_batch, len(prompts))
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     block = args.block_size or 16
-    pages = args.kv_pages or max_batch * -(-(longest + block) // page_size)
-    backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], "cpu", pages, page_size, args.block_size, args.drafter_type)
-    eos = generation_eos_ids(args.target, tokenizer)
-    gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, max_seq_len=target_cfg.max_position_embeddings)
+    return args.kv_pages or max_batch * -(-(longest + block) // args.page_size)
+
+
+def generate_checkpoint(args) -> int:
+    """`generate --checkpoint DIR` (DIR/target, DIR/drafter from `dflash-trt convert --tp N`): under
+    `mpirun -n N` (or torchrun) each rank loads only its rank{r}.safetensors and runs the same loop on
+    its shards; rank 0 tokenizes, then streams and prints. A tp=1 checkpoint also runs without a launcher."""
+    from .config import load_target_config
+    from .tp import init_tp, launched_world_size, load_tp_backend
+    from .torch_backend import load_torch_backend
+
+    ckpt = Path(args.checkpoint)
+    if args.target or args.drafter:
+        raise ConfigError("--checkpoint holds the target and the drafter: drop --target / --drafter", key="--checkpoint")
+    if args.drafter_type != "dflash":
+        raise ConfigError("converted checkpoints hold a DFlash drafter", key="--drafter-type")
+    target_cfg = load_target_config(ckpt / "target")
+    mode = "autoregressive" if args.no_drafter else "dflash"
+    tokenizers: list = []
+
+    def prepare():
+        tokenizers.append(load_tokenizer(args.tokenizer or ckpt))
+        prompts = [encode_prompt(tokenizers[0], p, chat=not args.no_chat_template) for p in read_prompts(args)]
+        return prompts, sorted(generation_eos_ids(ckpt / "target", tokenizers[0], ckpt))
+
+    if launched_world_size() == 1:  # in this process; a sharded checkpoint is refused with "run it with mpirun -n N"
+        prompts, eos = prepare()
+        drafter_dir = None if args.no_drafter else ckpt / "drafter"
+        backend = load_torch_backend(ckpt / "target", drafter_dir, DTYPES[args.dtype], args.device, kv_pages(args, prompts), args.page_size, args.block_size)
+        mode += "" if args.no_drafter else f" block={backend.block_size}"
+        return run_generation(args, backend, tokenizers[0], prompts, eos, target_cfg.max_position_embeddings, mode)
+    tp = init_tp(args.device, args.tp_timeout)
+    try:
+        # Rank 0 tokenizes and the others receive token ids; from there every rank runs the same loop on the
+        # same inputs, and all derive the same accepted lengths (tp.py says why they agree bit for bit).
+        prompts, eos = tp.broadcast_object(tp.agree(lambda: prepare() if tp.rank == 0 else None))
+        backend = load_tp_backend(ckpt, tp, DTYPES[args.dtype], not args.no_drafter, args.tp_drafter, kv_pages(args, prompts), args.page_size, args.block_size)
+        mode += f", tp={tp.world_size}" if args.no_drafter else f" block={backend.block_size}, tp={tp.world_size}, {args.tp_drafter} drafter"
+        return run_generation(args, backend, tokenizers[0] if tokenizers else None, prompts, eos, target_cfg.max_position_embeddings, mode, tp)
+    finally:
+        tp.close()  # also on errors: exiting with a live gloo group aborts the process
+
+
+def run_generation(args, backend, tokenizer, prompts: list[list[int]], eos, max_seq_len: int, mode: str, tp=None) -> int:
+    """Generate and print the outputs and statistics (on rank 0 only under TP: the others hold no tokenizer)."""
+    from .runtime import Generator
+    from .sampling import SamplingParams
+
+    printer = tp is None or tp.rank == 0
+    gen = Generator(backend, eos_token_ids=eos, max_batch=min(args.max_batch, len(prompts)), max_seq_len=max_seq_len)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, ignore_eos=args.ignore_eos,
     )
 
-    stream = len(prompts) == 1 and not args.quiet
+    stream = len(prompts) == 1 and not args.quiet and printer
     streamed: list[int] = []
     printed = [0]
 
@@ -120,6 +174,8 @@ def cmd_generate(args) -> int:
     start = time.perf_counter()
     outputs = gen.generate(prompts, params, on_token=on_token if stream else None)
     wall = time.perf_counter() - start
+    if not printer:
+        return 0
     for i, out in enumerate(outputs):
         if stream:
             sys.stdout.write("\n")
@@ -135,11 +191,15 @@ def cmd_generate(args) -> int:
     for o in outputs:
         for k, v in o.histogram().items():
             hist[k] = hist.get(k, 0) + v
-    mode = "autoregressive" if drafter_dir is None else f"{args.drafter_type} block={backend.block_size}"
+    collectives = ""
+    if tp is not None:
+        calls, sent = tp.calls, tp.bytes
+        collectives = (f"; rank 0 sent {calls['all_reduce']} all-reduces ({sent['all_reduce'] / 2**20:.2f} MiB), "
+                       f"{calls['all_gather']} all-gathers ({sent['all_gather'] / 2**20:.2f} MiB)")
     print(
         f"[{mode}] {len(outputs)} request(s), {total} tokens in {wall:.2f}s; "
         f"tau={tau:.2f} tokens/step; decode {decoded / decode_s if decode_s else 0:.1f} tokens/s; "
-        f"acceptance histogram {dict(sorted(hist.items()))}",
+        f"acceptance histogram {dict(sorted(hist.items()))}{collectives}",
         file=sys.stderr,
     )
     return 0
@@ -150,7 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text with the PyTorch reference runtime")
-    g.add_argument("--target", required=True, help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
+    g.add_argument("--target", help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
+    g.add_argument("--checkpoint", help="instead of --target/--drafter: the output of dflash-trt convert (DIR/target, DIR/drafter, "
+                   "tokenizer); one sharded for tp N runs as `mpirun -n N dflash-trt generate --checkpoint DIR`")
+    g.add_argument("--tp-drafter", choices=["sharded", "replicated"], default="sharded",
+                   help="sharded --checkpoint: shard the drafter like the target, or run it whole on every rank")
+    g.add_argument("--tp-timeout", type=float, default=300.0, help="seconds a rank waits for the others before failing")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank (NCCL)")
     g.add_argument("--drafter", help="DFlash drafter directory (released z-lab format)")
     g.add_argument("--drafter-type", choices=["dflash", "eagle3"], default="dflash", help="eagle3: the EAGLE-3-style baseline drafter")
     g.add_argument("--tokenizer", help="tokenizer directory (default: --target)")
@@ -177,8 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.register_cli(sub)
     bench.register_cli(sub)
     from . import serve  # serve, triton-repo (their server dependencies load only when they run)
+    from .trtllm import build as engine_build  # dflash-trt build (tensorrt_llm loads only when it runs)
 
     serve.register_cli(sub)
+    engine_build.register_cli(sub)
     return parser
 
 
@@ -187,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.write(f"error: {e}\n")  # one write: lines from several MPI ranks do not interleave
         return 2
     except KeyboardInterrupt:
         return 130

@@ -149,9 +149,9 @@ class Generator:
         ids = [s.seq_id for s in seqs]
         for s in ids:
             self.backend.add_sequence(s)
-        logits = self.backend.prefill(ids, [s.prompt for s in seqs])
-        for s, row in zip(seqs, logits):
-            first = int(row.argmax()) if s.params.greedy else sample(target_probs(row[None], s.params)[0], s.generator)
+        scores = self.backend.prefill(ids, [s.prompt for s in seqs], [not s.params.greedy for s in seqs])
+        for s, last in zip(seqs, scores):
+            first = int(last.tokens[-1]) if s.params.greedy else sample(target_probs(last.logits[-1:], s.params)[0], s.generator)
             s.append([first])
         now = time.perf_counter()
         finished = []

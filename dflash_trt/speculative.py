@@ -24,7 +24,18 @@ from typing import Callable, Protocol
 
 import torch
 
+from . import kernels
 from .sampling import SamplingParams, sample, target_probs
+
+
+@dataclass
+class Scores:
+    """A target pass's result for one sequence, one row per position: the greedy tokens always, the logits
+    only where the caller asked (sequences that sample). A vocab-parallel (TP) backend so takes greedy
+    tokens from per-rank (max, index) pairs and gathers the full vocabulary only for sampling."""
+
+    tokens: torch.Tensor  # [n] argmax over the vocabulary (first maximum on ties)
+    logits: torch.Tensor | None = None  # [n, V] fp32, or None where not asked for
 
 
 class Backend(Protocol):
@@ -35,9 +46,9 @@ class Backend(Protocol):
 
     def add_sequence(self, seq_id: int) -> None: ...
     def release(self, seq_id: int) -> None: ...
-    def prefill(self, seq_ids: list[int], prompts: list[list[int]]) -> torch.Tensor: ...  # [B, V] last-token logits
+    def prefill(self, seq_ids: list[int], prompts: list[list[int]], need_logits: list[bool] | None = None) -> list[Scores]: ...  # last token
     def draft(self, seq_ids: list[int], last_tokens: list[int], num_drafts: list[int]) -> list[list[int]]: ...
-    def verify(self, seq_ids: list[int], blocks: list[list[int]]) -> list[torch.Tensor]: ...  # [n_b, V] each
+    def verify(self, seq_ids: list[int], blocks: list[list[int]], need_logits: list[bool] | None = None) -> list[Scores]: ...  # n_b rows
     def commit(self, seq_ids: list[int], num_kept: list[int]) -> None: ...
 
 
@@ -84,10 +95,7 @@ def greedy_accept(drafts: torch.Tensor, num_drafts: torch.Tensor, target_tokens:
     accepted_b = longest j ≤ num_drafts_b with drafts[b, :j] == target_tokens[b, :j]; the bonus
     is target_tokens[b, accepted_b], the target's token after the accepted prefix.
     """
-    K = drafts.shape[1]
-    match = (drafts == target_tokens[:, :K]) & (torch.arange(K) < num_drafts[:, None])
-    accepted = match.long().cumprod(dim=1).sum(dim=1)
-    bonus = target_tokens.gather(1, accepted[:, None])[:, 0]
+    accepted, bonus, _ = kernels.greedy_accept(drafts, num_drafts, target_tokens)  # one launch on CUDA
     return accepted, bonus
 
 
@@ -112,24 +120,25 @@ def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int) ->
         drafts = backend.draft(ids, [s.last_token for s in seqs], num_drafts)
     else:
         drafts = [[] for _ in seqs]
-    logits = backend.verify(ids, [[s.last_token] + d for s, d in zip(seqs, drafts)])
+    scores = backend.verify(ids, [[s.last_token] + d for s, d in zip(seqs, drafts)], [not s.params.greedy for s in seqs])
 
     accepted: list[int] = [0] * len(seqs)
     next_tokens: list[int] = [0] * len(seqs)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     if greedy:
         K = max(num_drafts[i] for i in greedy)
-        padded = torch.full((len(greedy), K), -1, dtype=torch.long)
-        argmax = torch.zeros(len(greedy), K + 1, dtype=torch.long)
+        device = scores[greedy[0]].tokens.device  # accept where the logits are
+        padded = torch.full((len(greedy), K), -1, dtype=torch.long, device=device)
+        argmax = torch.zeros(len(greedy), K + 1, dtype=torch.long, device=device)
         for row, i in enumerate(greedy):
             padded[row, : num_drafts[i]] = torch.tensor(drafts[i], dtype=torch.long)
-            argmax[row, : num_drafts[i] + 1] = logits[i].argmax(dim=-1)
-        acc, bonus = greedy_accept(padded, torch.tensor([num_drafts[i] for i in greedy]), argmax)
+            argmax[row, : num_drafts[i] + 1] = scores[i].tokens
+        acc, bonus = greedy_accept(padded, torch.tensor([num_drafts[i] for i in greedy], device=device), argmax)
         for row, i in enumerate(greedy):
             accepted[i], next_tokens[i] = int(acc[row]), int(bonus[row])
     for i, s in enumerate(seqs):
         if not s.params.greedy:
-            accepted[i], next_tokens[i] = rejection_accept(drafts[i], target_probs(logits[i], s.params), s.generator)
+            accepted[i], next_tokens[i] = rejection_accept(drafts[i], target_probs(scores[i].logits, s.params), s.generator)
 
     # The verify block's first token and the accepted drafts now have K/V in the target cache.
     backend.commit(ids, [a + 1 for a in accepted])

@@ -52,6 +52,7 @@ class TargetModel(nn.Module):
         self.model = _Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        self.tp = None  # a tp.TPGroup once tp.apply_tp shards the model: logits are then this rank's vocab columns
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -65,8 +66,8 @@ class TargetModel(nn.Module):
         return F.linear(hidden, self.lm_head_weight).float()
 
     def new_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
-        p = self.model.embed_tokens.weight
-        return PagedKVCache(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, num_pages, page_size, p.dtype, p.device, name="target")
+        p, nkv = self.model.embed_tokens.weight, self.model.layers[0].self_attn.num_kv_heads  # this rank's heads under TP
+        return PagedKVCache(self.cfg.num_layers, nkv, self.cfg.head_dim, num_pages, page_size, p.dtype, p.device, name="target")
 
     def forward(
         self,

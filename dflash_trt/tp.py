@@ -1,0 +1,385 @@
+"""Tensor parallelism for the PyTorch runtime, gpt-fast style: `apply_tp` turns a target or DFlash drafter
+built for the full config into this rank's shard, one helper per layer kind, and the weights then load from
+the rank's own rank{r}.safetensors, which the converter wrote by the same rules (parallel.py).
+
+Megatron layout: q/k/v and gate/up column-parallel (heads, intermediate rows), o_proj and down_proj
+row-parallel, each followed by one all-reduce: 2 all-reduces per layer and forward. KV heads are
+duplicated when nkv < tp, so each rank's paged caches hold only its own heads. The embedding is
+all-gathered once at load (its lookup then needs no collective, in the target or in the drafter, for
+V·H more memory per rank); lm_head stays vocab-parallel: greedy tokens come from one all-gather of
+per-rank (max, index) pairs, and only sequences that sample gather their full logits.
+
+All ranks agree on every accepted length without a broadcast: they run the same loop on the same
+inputs, and each decision is a pure function of data every rank holds bit for bit: greedy target and
+draft tokens are reduced locally from the same all-gathered (max, index) pairs, sampled sequences read
+the same all-gathered logits with the same per-request seed (the global RNG is seeded alike on all ranks
+too). A broadcast from rank 0 would add a collective and a sync point per step and carry nothing new.
+
+The drafter is sharded like the target (2 all-reduces per drafter layer per draft) or replicated
+(`drafter_mode="replicated"`: each rank all-gathers the drafter's shards once at load and runs it whole;
+no all-reduce while drafting, but every rank spends the drafter's full FLOPs and memory).
+
+Ranks come from mpi4py (one process per GPU under mpirun, as TensorRT-LLM launches them) or from
+torchrun's environment; the process group is torch.distributed's, gloo on CPU and NCCL on CUDA. A
+collective that fails (a peer died: gloo sees its socket close; a peer hangs: the group's timeout)
+raises DistributedError on the ranks that wait, so no rank hangs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import parallel
+from .checkpoint import InMemorySource, load_module
+from .config import check_pair
+from .errors import ConfigError, DFlashError
+
+MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+class DistributedError(DFlashError):
+    """A rank failed, died or timed out; raised on every rank that learns of it."""
+
+
+class TPGroup:
+    """This rank's place in the tensor-parallel group and the collectives the runtime uses, each counted
+    (calls and bytes this rank sends) so a test can hold a decode step to its closed-form count."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def _run(self, kind: str, nbytes: int, op: Callable[[], Any]) -> Any:
+        self.calls[kind] += 1
+        self.bytes[kind] += nbytes
+        try:
+            return op()
+        except (RuntimeError, ValueError) as e:  # gloo / NCCL report a lost or hung peer as RuntimeError
+            detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise DistributedError(f"[rank {self.rank}/{self.world_size}] {kind} failed: another rank died or timed out ({detail})") from None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        self._run("all_reduce", x.numel() * x.element_size(), lambda: dist.all_reduce(x))
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[world_size, *x.shape]: every rank's x, in rank order."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._run("all_gather", x.numel() * x.element_size(), lambda: dist.all_gather(parts, x))
+        return torch.stack(parts)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._run("all_gather_object", 0, lambda: dist.all_gather_object(out, obj))
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        self._run("broadcast_object", 0, lambda: dist.broadcast_object_list(box, src=src))
+        return box[0]
+
+    def agree(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (local work only: no collectives inside) on every rank; if it fails anywhere, raise the
+        failures on every rank, so a rank missing its shard stops the others instead of leaving them waiting."""
+        try:
+            result, error = fn(), None
+        except DFlashError as e:
+            result, error = None, str(e)
+        ranks_by_error: dict[str, list[str]] = {}
+        for r, e in enumerate(self.all_gather_object(error)):
+            if e is not None:
+                ranks_by_error.setdefault(e, []).append(str(r))
+        if ranks_by_error:
+            raise DistributedError("; ".join(f"[rank {','.join(r)} of {self.world_size}] {e}" for e, r in ranks_by_error.items()))
+        return result
+
+    def argmax(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """scores [n, m]: this rank's columns, whose global indices are ids [m] (ascending) → the global argmax [n],
+        ties to the smallest index like torch.argmax over whole rows. One all-gather of (max, index) pairs."""
+        n = scores.shape[0]
+        if scores.shape[1]:
+            best, arg = scores.float().max(dim=-1)
+            pairs = torch.stack([best.double(), ids[arg].double()], dim=-1)  # fp32 and ids < 2**53 are exact in fp64
+        else:  # a rank holding only vocab padding
+            pairs = torch.tensor([[float("-inf"), 0.0]], dtype=torch.float64, device=scores.device).expand(n, 2)
+        every = self.all_gather(pairs)  # [tp, n, 2]
+        values, index = every[..., 0], every[..., 1]
+        top = values == values.max(dim=0).values
+        return index.masked_fill(~top, float("inf")).min(dim=0).values.long()
+
+    def gather_columns(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """x [n, m] column part `rank` of a [n, tp·m] tensor → its first `width` columns, on every rank."""
+        every = self.all_gather(x)  # [tp, n, m]
+        return every.permute(1, 0, 2).reshape(x.shape[0], -1)[:, :width]
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
+
+    def reset_stats(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launched_world_size() -> int:
+    """How many ranks the launcher started (1 when run without mpirun / torchrun), without initialising MPI."""
+    for key in ("WORLD_SIZE", *MPI_ENV[:2]):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 1
+
+
+def init_tp(device: str = "cpu", timeout_s: float = 300.0) -> TPGroup:
+    """Join the group: rank and size from torchrun's environment or mpi4py; gloo on CPU, NCCL on CUDA.
+    `timeout_s` bounds every wait on another rank."""
+    env = os.environ
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):  # torchrun
+        rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+        store = None
+    elif any(k in env for k in MPI_ENV):
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise ConfigError("launched under MPI but mpi4py is not installed: pip install mpi4py", key="mpi4py") from None
+        comm = MPI.COMM_WORLD
+        rank, world = comm.Get_rank(), comm.Get_size()
+        local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        hosts = comm.allgather(socket.gethostname())
+        host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+        # Rank 0 serves the rendezvous store on a free port (port 0) and tells the others which one.
+        store = dist.TCPStore(host, 0, world, True, timeout=timeout, wait_for_workers=False) if rank == 0 else None
+        port = comm.bcast(store.port if rank == 0 else None, root=0)
+        if rank != 0:
+            store = dist.TCPStore(host, port, world, False, timeout=timeout)
+    else:
+        rank, world, local_rank, store = 0, 1, 0, dist.HashStore()
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    kwargs = {"init_method": "env://"} if store is None else {"store": store}
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        raise DistributedError(f"[rank {rank}/{world}] cannot form the {backend} process group: {e}") from None
+    tp = TPGroup(rank, world, dev)
+    # Requests without a seed draw one from the global RNG: the same draw on every rank.
+    torch.manual_seed(tp.broadcast_object(int(torch.randint(0, 2**62, ())) if rank == 0 else None))
+    return tp
+
+
+# ----------------------------------------------------------------------------------------------------
+# apply_tp: one helper per layer kind (on a model built on the meta device, before its shard loads)
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_r · W_rᵀ) + b: rank r holds input columns r of W; the (full) bias is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, device=None):
+        super().__init__(in_features, out_features, bias=bias, device=device)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def _apply_tp_linear(parent: nn.Module, name: str, style: str, tp: TPGroup, rows: int | None = None) -> None:
+    """colwise: keep `rows` output rows (this rank's heads / intermediate part); rowwise: 1/tp of the inputs."""
+    old: nn.Linear = getattr(parent, name)
+    bias, device = old.bias is not None, old.weight.device
+    if style == "colwise":
+        new = nn.Linear(old.in_features, rows, bias=bias, device=device)
+    else:
+        cols = parallel.col_slice(old.in_features, tp.world_size, tp.rank)
+        new = RowParallelLinear(cols.stop - cols.start, old.out_features, bias, tp, device=device)
+    setattr(parent, name, new)
+
+
+def _apply_tp_attention(attn: nn.Module, tp: TPGroup) -> None:
+    n, r = tp.world_size, tp.rank
+    q_rows = parallel.qkv_rows("q", attn.num_heads, attn.num_kv_heads, attn.head_dim, n, r)
+    kv_rows = parallel.qkv_rows("k", attn.num_heads, attn.num_kv_heads, attn.head_dim, n, r)
+    _apply_tp_linear(attn, "q_proj", "colwise", tp, sum(m.n for m in q_rows))
+    _apply_tp_linear(attn, "k_proj", "colwise", tp, sum(m.n for m in kv_rows))
+    _apply_tp_linear(attn, "v_proj", "colwise", tp, sum(m.n for m in kv_rows))
+    _apply_tp_linear(attn, "o_proj", "rowwise", tp)
+    attn.num_heads = attn.num_heads // n
+    attn.num_kv_heads = parallel.kv_heads_per_rank(attn.num_kv_heads, n)
+
+
+def _apply_tp_mlp(mlp: nn.Module, tp: TPGroup) -> None:
+    for name in ("gate_proj", "up_proj"):
+        rows = parallel.column_rows(getattr(mlp, name).out_features, tp.world_size, tp.rank)[0].n
+        _apply_tp_linear(mlp, name, "colwise", tp, rows)
+    _apply_tp_linear(mlp, "down_proj", "rowwise", tp)
+
+
+def _apply_tp_vocab(target: nn.Module, tp: TPGroup) -> None:
+    """The embedding and lm_head as the checkpoint stores them: vocab rows padded to a multiple of tp, split."""
+    cfg = target.cfg
+    rows = parallel.pad_vocab_size(cfg.vocab_size, tp.world_size) // tp.world_size
+    device = target.model.embed_tokens.weight.device
+    target.model.embed_tokens = nn.Embedding(rows, cfg.hidden_size, device=device)
+    target.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False, device=device)  # a tied model gets its own copy too
+
+
+def apply_tp(model: nn.Module, tp: TPGroup) -> nn.Module:
+    """Shard a TargetModel or DFlashDrafter (built for the full config) into rank `tp.rank`'s part, in place."""
+    from .models.target import TargetModel
+
+    layers = model.model.layers if isinstance(model, TargetModel) else model.layers
+    for layer in layers:
+        _apply_tp_attention(layer.self_attn, tp)
+        _apply_tp_mlp(layer.mlp, tp)
+    if isinstance(model, TargetModel):
+        _apply_tp_vocab(model, tp)
+        model.tp = tp
+    return model
+
+
+def gather_embedding(target: nn.Module, tp: TPGroup) -> None:
+    """After loading: every rank gets the whole embedding table (one all-gather, once)."""
+    shard = target.model.embed_tokens.weight
+    full = tp.all_gather(shard).reshape(-1, shard.shape[1])[: target.cfg.vocab_size]
+    target.model.embed_tokens = nn.Embedding.from_pretrained(full, freeze=True)
+
+
+def vocab_columns(tp: TPGroup, vocab_size: int, device) -> torch.Tensor:
+    """Global token ids of this rank's real (non-padding) lm_head rows."""
+    maps = parallel.vocab_rows(vocab_size, tp.world_size, tp.rank)
+    return torch.cat([torch.arange(m.src_start, m.src_start + m.n) for m in maps] or [torch.zeros(0, dtype=torch.long)]).to(device)
+
+
+def draft_vocab_shard(lm_head_shard: torch.Tensor, columns: torch.Tensor, d2t: torch.Tensor | None):
+    """(head rows, their global draft-vocabulary index, draft index → token id or None) on this rank: the
+    vocab-parallel `draft_vocab_head`. With d2t a rank keeps the draft rows whose token falls in its slice."""
+    if d2t is None:
+        return lm_head_shard[: len(columns)], columns, None
+    token_ids = torch.arange(len(d2t), device=d2t.device) + d2t
+    start = int(columns[0]) if len(columns) else 0
+    mine = (token_ids >= start) & (token_ids < start + len(columns))
+    return lm_head_shard[token_ids[mine] - start].contiguous(), mine.nonzero()[:, 0], token_ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading a converted checkpoint: each rank reads only its own rank{r}.safetensors
+
+
+def _check_mapping(directory: Path, tp: TPGroup) -> None:
+    from .trtllm_format import _tp_of, read_trtllm_config
+
+    path, raw = read_trtllm_config(directory)
+    tp_size = _tp_of(raw, path)
+    if tp_size != tp.world_size:
+        raise ConfigError(
+            f"the checkpoint is sharded for tp_size={tp_size}, but {tp.world_size} rank(s) were launched: run it with `mpirun -n {tp_size}`",
+            file=path, key="mapping.tp_size",
+        )
+
+
+def _unshard(shards: torch.Tensor, split: str, part: str, cfg, tp: int) -> torch.Tensor:
+    """shards [tp, rows, cols]: every rank's part of one HF-named tensor (as read_rank returns it) → the whole
+    tensor, by the converter's own row maps run backwards."""
+    if split in ("replicated", "vocab") or split == "row" and shards.dim() == 2:  # a row-parallel bias is whole on every rank
+        return shards[0]
+    if split == "row":
+        return torch.cat(list(shards), dim=1)
+    if split == "column":
+        return torch.cat(list(shards), dim=0)
+    maps = [parallel.qkv_rows(part, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp, r) for r in range(tp)]
+    rows = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}[part] * cfg.head_dim
+    full = shards.new_empty((rows, *shards.shape[2:]))
+    for shard, rank_maps in zip(shards, maps):
+        base = min(m.dst_start for m in rank_maps)  # where this part starts in the rank's fused qkv
+        for m in rank_maps:
+            full[m.src_start : m.src_start + m.n] = shard[m.dst_start - base : m.dst_start - base + m.n]
+    return full
+
+
+def _replicate(cfg, tensors: dict[str, torch.Tensor], tp: TPGroup) -> dict[str, torch.Tensor]:
+    """Every rank's drafter shard → the whole drafter on every rank (one all-gather per tensor, at load)."""
+    from .trtllm_format import drafter_units
+
+    units, _ = drafter_units(cfg)
+    full: dict[str, torch.Tensor] = {}
+    for unit in units:
+        for src, part in zip(unit.sources, unit.parts):
+            for suffix in ((".weight", ".bias") if unit.bias else (".weight",)) if unit.linear else ("",):
+                name = src + suffix
+                full[name] = _unshard(tp.all_gather(tensors[name]), unit.split, part, cfg, tp.world_size)
+    return full
+
+
+def load_tp_backend(
+    checkpoint: str | Path,
+    tp: TPGroup,
+    dtype: torch.dtype = torch.float32,
+    use_drafter: bool = True,
+    drafter_mode: str = "sharded",
+    num_pages: int = 256,
+    page_size: int = 16,
+    block_size: int | None = None,
+):
+    """A TorchBackend over rank `tp.rank`'s shards of a `dflash-trt convert --tp N` directory (target/, drafter/).
+    `drafter_mode`: "sharded" like the target, or "replicated" (every rank gathers and runs the whole drafter)."""
+    from .models.drafter import DFlashDrafter
+    from .models.target import TargetModel
+    from .torch_backend import TorchBackend
+    from .trtllm_format import read_rank, trtllm_source
+
+    if drafter_mode not in ("sharded", "replicated"):
+        raise ConfigError(f"unsupported drafter mode {drafter_mode!r}; expected sharded or replicated", key="--tp-drafter")
+    checkpoint = Path(checkpoint)
+    target_dir, drafter_dir = checkpoint / "target", checkpoint / "drafter"
+    device = tp.device
+
+    def load_local():  # reads this rank's files only; no collectives, so a failure cannot strand the others
+        _check_mapping(target_dir, tp)
+        cfg, source = trtllm_source(target_dir, tp.rank, dtype)
+        if cfg.tie_word_embeddings:  # the checkpoint's lm_head shard is the embedding's shard
+            source.tensors["lm_head.weight"] = source.tensors["model.embed_tokens.weight"]
+            source.weight_map["lm_head.weight"] = source.weight_map["model.embed_tokens.weight"]
+        target = load_module(lambda: apply_tp(TargetModel(cfg), tp), source, dtype, device)
+        if not use_drafter:
+            return target, None
+        _check_mapping(drafter_dir, tp)
+        d_cfg, tensors, _ = read_rank(drafter_dir, tp.rank, dtype)
+        d_cfg = check_pair(cfg, d_cfg)
+        tensors = {k: v for k, v in tensors.items() if not k.endswith((".input_scale", ".k_scale", ".v_scale"))}
+        return target, (d_cfg, tensors)
+
+    target, drafter_part = tp.agree(load_local)
+    gather_embedding(target, tp)
+    drafter = None
+    if drafter_part is not None:
+        d_cfg, tensors = drafter_part
+        width = len(d_cfg.target_layer_ids) * target.cfg.hidden_size
+        shard_file = drafter_dir / f"rank{tp.rank}.safetensors"
+        if drafter_mode == "replicated":
+            tensors, build = _replicate(d_cfg, tensors, tp), lambda: DFlashDrafter(d_cfg, width)
+        else:
+            build = lambda: apply_tp(DFlashDrafter(d_cfg, width), tp)  # noqa: E731
+        source = InMemorySource(tensors, dict.fromkeys(tensors, shard_file), drafter_dir)
+        drafter = tp.agree(lambda: load_module(build, source, dtype, device))
+        drafter.fuse_context_projections()
+    tp.reset_stats()
+    return TorchBackend(target, drafter, num_pages=num_pages, page_size=page_size, block_size=block_size)
