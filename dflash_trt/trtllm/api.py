@@ -1,0 +1,121 @@
+"""Every tensorrt / tensorrt_llm name dflash-trt uses, in one place, resolved lazily.
+
+Code in this package never writes `import tensorrt_llm`; it calls `api.get("ColumnLinear")`, so the
+set of upstream names we depend on is exactly `NAMES`. Each one is recorded, with the source file and
+commit where its signature was read, in `api_snapshot.json`; tests/test_trtllm.py checks that every
+`api.get(...)` literal in dflash_trt/trtllm is in `NAMES`, and every `NAMES` entry in the snapshot.
+
+`NAMES`: short name → dotted path ("module:attribute.path"). Members we call on instances of these
+classes are listed in `MEMBERS` (class short name → member names) and snapshotted the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import DFlashError
+
+SNAPSHOT = Path(__file__).with_name("api_snapshot.json")
+
+NAMES: dict[str, str] = {
+    # -- build time: model definitions (tensorrt_llm/models, layers, functional) -------------------
+    "MODEL_MAP": "tensorrt_llm.models:MODEL_MAP",
+    "PretrainedConfig": "tensorrt_llm.models.modeling_utils:PretrainedConfig",
+    "PretrainedModel": "tensorrt_llm.models.modeling_utils:PretrainedModel",
+    "Module": "tensorrt_llm.module:Module",
+    "ModuleList": "tensorrt_llm.module:ModuleList",
+    "Embedding": "tensorrt_llm.layers:Embedding",
+    "ColumnLinear": "tensorrt_llm.layers:ColumnLinear",
+    "RowLinear": "tensorrt_llm.layers:RowLinear",
+    "RmsNorm": "tensorrt_llm.layers:RmsNorm",
+    "GatedMLP": "tensorrt_llm.layers:GatedMLP",
+    "Tensor": "tensorrt_llm.functional:Tensor",
+    "concat": "tensorrt_llm.functional:concat",
+    "_create_tensor": "tensorrt_llm.functional:_create_tensor",
+    "default_trtnet": "tensorrt_llm._common:default_trtnet",
+    "pad_vocab_size": "tensorrt_llm._utils:pad_vocab_size",
+    "build_main": "tensorrt_llm.commands.build:main",
+    "Builder": "tensorrt_llm.builder:Builder",
+    # -- run time: executor bindings (target engine) and Session (drafter engine) --------------------
+    "Executor": "tensorrt_llm.bindings.executor:Executor",
+    "ExecutorConfig": "tensorrt_llm.bindings.executor:ExecutorConfig",
+    "ModelType": "tensorrt_llm.bindings.executor:ModelType",
+    "KvCacheConfig": "tensorrt_llm.bindings.executor:KvCacheConfig",
+    "DecodingConfig": "tensorrt_llm.bindings.executor:DecodingConfig",
+    "DecodingMode": "tensorrt_llm.bindings.executor:DecodingMode",
+    "Request": "tensorrt_llm.bindings.executor:Request",
+    "OutputConfig": "tensorrt_llm.bindings.executor:OutputConfig",
+    "AdditionalModelOutput": "tensorrt_llm.bindings.executor:AdditionalModelOutput",
+    "ExternalDraftTokensConfig": "tensorrt_llm.bindings.executor:ExternalDraftTokensConfig",
+    "Session": "tensorrt_llm.runtime.session:Session",
+    # -- plain TensorRT (also in tensorrt_rtx, the CPU check) ----------------------------------------
+    "trt": "tensorrt:",
+    "trt.get_plugin_registry": "tensorrt:get_plugin_registry",
+    "trt.PluginField": "tensorrt:PluginField",
+    "trt.PluginFieldCollection": "tensorrt:PluginFieldCollection",
+    "trt.PluginFieldType": "tensorrt:PluginFieldType",
+    "trt.TensorRTPhase": "tensorrt:TensorRTPhase",
+    "trt.TopKOperation": "tensorrt:TopKOperation",
+    "trt.ElementWiseOperation": "tensorrt:ElementWiseOperation",
+    "trt.ReduceOperation": "tensorrt:ReduceOperation",
+    "trt.CumulativeOperation": "tensorrt:CumulativeOperation",
+    "trt.DataType": "tensorrt:DataType",
+    "trt.UnaryOperation": "tensorrt:UnaryOperation",
+    "trt.PreviewFeature": "tensorrt:PreviewFeature",
+}
+
+# Members called on instances (what the AST scan cannot type-track is at least pinned here).
+MEMBERS: dict[str, tuple[str, ...]] = {
+    "Executor": ("enqueue_requests", "await_responses", "shutdown"),
+    "Session": ("from_serialized_engine", "run", "context"),
+    "PretrainedModel": ("from_checkpoint", "__post_init__"),
+    "Tensor": ("mark_output", "trt_tensor", "view"),
+    "MODEL_MAP": ("__setitem__", "__getitem__"),
+    "INetworkDefinition": (
+        "add_input", "add_topk", "add_shuffle", "add_concatenation", "add_elementwise", "add_cast", "add_cumulative", "add_reduce",
+        "add_gather", "add_constant", "add_identity", "add_plugin_v3", "mark_output", "add_unary", "add_shape",
+    ),
+    "IPluginRegistry": ("get_creator", "load_library"),
+    "IPluginCreatorV3One": ("create_plugin",),
+    "Builder": ("create_builder_config",),
+    "IBuilderConfig": ("set_preview_feature",),
+    "IExecutionContext": ("set_tensor_address",),
+}
+
+
+class TensorRTUnavailable(DFlashError):
+    """tensorrt / tensorrt_llm is not importable here: the engine path needs an NVIDIA GPU machine
+    with TensorRT-LLM (e.g. the NGC release image, docker/Dockerfile)."""
+
+
+def get(name: str, trt_module: Any = None) -> Any:
+    """The object behind `NAMES[name]`. `trt_module` replaces the `tensorrt` module for "trt.*" names
+    (tensorrt_rtx in the CPU check: the same INetworkDefinition API)."""
+    if name not in NAMES:
+        raise KeyError(f"{name!r} is not in dflash_trt.trtllm.api.NAMES; add it there and to api_snapshot.json")
+    module_name, _, attr = NAMES[name].partition(":")
+    if trt_module is not None and module_name == "tensorrt":
+        obj = trt_module
+    else:
+        try:
+            obj = importlib.import_module(module_name)
+        except ImportError as e:
+            raise TensorRTUnavailable(
+                f"cannot import {module_name} ({e}); the TensorRT-LLM engine path runs where tensorrt_llm is installed "
+                "(NVIDIA GPU + the NGC TensorRT-LLM image: see docker/README.md)"
+            ) from None
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def require_tensorrt_llm() -> None:
+    """Fail early and clearly when tensorrt_llm is missing (before touching any engine file)."""
+    get("Executor")
+
+
+def snapshot() -> dict[str, Any]:
+    return json.loads(SNAPSHOT.read_text())

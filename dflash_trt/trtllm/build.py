@@ -1,0 +1,181 @@
+"""`dflash-trt build --config FILE [--dry-run]`: one deployment YAML → convert + trtllm-build, end to end.
+
+A build config (build_configs/*.yaml) names the target, the DFlash drafter and everything the build
+needs, with keys as TensorRT-LLM spells them: `speculative_config` as in trtllm-serve's config
+(decoding_type: DFlash, max_draft_len, speculative_model), `build` as trtllm-build's flags (without
+the leading dashes). It is validated before anything runs: an error names the file and the key and
+exits 2. The commands are printed exactly as they run; `--dry-run` only prints them.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import TARGET_ARCHITECTURES
+from ..errors import ConfigError
+
+KNOWN_ARCHITECTURES = {**{a: "converter" for a in TARGET_ARCHITECTURES}, "GptOssForCausalLM": "planned"}
+QUANTS = ("none", "fp8", "nvfp4")
+DTYPES = ("bf16", "fp16")
+TP_SIZES = (1, 2, 4, 8)
+# trtllm-build flags we set ourselves (from the rest of the config): not allowed under `build`.
+OWN_FLAGS = {"checkpoint_dir", "model_config", "build_config", "output_dir", "speculative_decoding_mode", "max_draft_len",
+             "model_cls_file", "model_cls_name", "gather_context_logits", "gather_all_token_logits"}
+TOP_KEYS = {"name", "description", "gpus", "target", "speculative_config", "convert", "build", "output_dir"}
+
+
+def trtllm_build_flags() -> list[str]:
+    from . import api
+
+    return list(api.snapshot()["trtllm_build_flags"]["flags"])
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    path: Path
+    name: str
+    target_model: str
+    target_architecture: str
+    drafter_model: str
+    max_draft_len: int
+    dtype: str
+    quant: str
+    kv_cache_quant: str
+    tp: int
+    build_flags: dict[str, Any]
+    output_dir: str
+
+
+def _get(raw: dict, key: str, path: Path, kind: type | tuple, default: Any = ...):
+    node: Any = raw
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            if default is not ...:
+                return default
+            raise ConfigError("required key is missing", file=path, key=key)
+        node = node[part]
+    if not isinstance(node, kind) or (isinstance(node, bool) and kind is int):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ConfigError(f"expected {names}, got {type(node).__name__} {node!r}", file=path, key=key)
+    return node
+
+
+def _one_of(value: Any, allowed, path: Path, key: str):
+    if value not in allowed:
+        raise ConfigError(f"{value!r} is not one of {list(allowed)}", file=path, key=key)
+    return value
+
+
+def load_build_config(path: str | Path) -> BuildConfig:
+    path = Path(path)
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError("reading a build config needs PyYAML, which is not installed (pip install pyyaml)", file=path) from None
+    if not path.is_file():
+        raise ConfigError("build config does not exist", file=path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"not valid YAML ({str(e).splitlines()[0]})", file=path) from None
+    if not isinstance(raw, dict):
+        raise ConfigError("expected a mapping at the top level", file=path)
+    for key in raw:
+        if key not in TOP_KEYS:
+            raise ConfigError(f"unknown key (expected some of {sorted(TOP_KEYS)})", file=path, key=str(key))
+    spec = "speculative_config"
+    _one_of(_get(raw, f"{spec}.decoding_type", path, str), ["DFlash"], path, f"{spec}.decoding_type")
+    max_draft_len = _get(raw, f"{spec}.max_draft_len", path, int)
+    if not 1 <= max_draft_len <= 63:
+        raise ConfigError(f"must be in [1, 63] (drafter block_size - 1 at most), got {max_draft_len}", file=path, key=f"{spec}.max_draft_len")
+    for key in _get(raw, spec, path, dict):
+        _one_of(key, ["decoding_type", "max_draft_len", "speculative_model", "mask_token_id", "target_layer_ids"], path, f"{spec}.{key}")
+    build = _get(raw, "build", path, dict, {})
+    allowed = {f.lstrip("-") for f in trtllm_build_flags()} - OWN_FLAGS
+    for key, value in build.items():
+        if key not in allowed:
+            raise ConfigError(f"not a trtllm-build flag we pass through (allowed: {sorted(allowed)})", file=path, key=f"build.{key}")
+        if not isinstance(value, (int, str, bool)) or value is None:
+            raise ConfigError(f"expected a number, string or boolean, got {value!r}", file=path, key=f"build.{key}")
+    return BuildConfig(
+        path=path,
+        name=_get(raw, "name", path, str),
+        target_model=_get(raw, "target.model", path, str),
+        target_architecture=_one_of(_get(raw, "target.architecture", path, str), KNOWN_ARCHITECTURES, path, "target.architecture"),
+        drafter_model=_get(raw, f"{spec}.speculative_model", path, str),
+        max_draft_len=max_draft_len,
+        dtype=_one_of(_get(raw, "convert.dtype", path, str, "bf16"), DTYPES, path, "convert.dtype"),
+        quant=_one_of(_get(raw, "convert.quant", path, str, "none"), QUANTS, path, "convert.quant"),
+        kv_cache_quant=_one_of(_get(raw, "convert.kv_cache_quant", path, str, "none"), ("none", "fp8"), path, "convert.kv_cache_quant"),
+        tp=_one_of(_get(raw, "convert.tp", path, int, 1), TP_SIZES, path, "convert.tp"),
+        build_flags=dict(build),
+        output_dir=_get(raw, "output_dir", path, str, f"engines/{raw.get('name', path.stem)}"),
+    )
+
+
+def _flag_args(flags: dict[str, Any]) -> list[str]:
+    args: list[str] = []
+    for key, value in flags.items():
+        if value is True:
+            args.append(f"--{key}")
+        elif value is not False:
+            args += [f"--{key}", str(value)]
+    return args
+
+
+def build_commands(cfg: BuildConfig, out: str | None = None, plugin_lib: str | None = None) -> list[list[str]]:
+    """convert, then trtllm-build (through our registering wrapper) for the target and the drafter."""
+    if KNOWN_ARCHITECTURES[cfg.target_architecture] != "converter":
+        raise ConfigError(
+            f"architecture {cfg.target_architecture} is not yet supported by `dflash-trt convert` "
+            f"(supported: {sorted(TARGET_ARCHITECTURES)}); this config is valid, its build is not possible yet",
+            file=cfg.path, key="target.architecture",
+        )
+    root = Path(out or cfg.output_dir)
+    ckpt, engines = root / "checkpoints", root / "engines"
+    convert = [
+        "dflash-trt", "convert", "--target", cfg.target_model, "--drafter", cfg.drafter_model, "--out", str(ckpt),
+        "--dtype", cfg.dtype, "--quant", cfg.quant, "--kv-cache-quant", cfg.kv_cache_quant, "--tp", str(cfg.tp), "--force",
+    ]
+    wrapper = [sys.executable, "-m", "dflash_trt.trtllm.trtllm_build", "--dflash_target_checkpoint", str(ckpt / "target")]
+    if plugin_lib:
+        wrapper += ["--dflash_plugin_lib", plugin_lib]
+    flags = _flag_args(cfg.build_flags)
+    target = wrapper + [
+        "--checkpoint_dir", str(ckpt / "target"), "--output_dir", str(engines / "target"),
+        "--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(cfg.max_draft_len),
+        "--gather_generation_logits", *flags,
+    ]
+    drafter = wrapper + ["--checkpoint_dir", str(ckpt / "drafter"), "--output_dir", str(engines / "drafter"), *flags]
+    return [convert, target, drafter]
+
+
+def cmd_build(args) -> int:
+    cfg = load_build_config(args.config)
+    commands = build_commands(cfg, args.out, args.plugin_lib)
+    if not args.dry_run:
+        for path, key in ((cfg.target_model, "target.model"), (cfg.drafter_model, "speculative_config.speculative_model")):
+            if not Path(path).is_dir():
+                raise ConfigError(f"{path!r} is not a local directory (download it first, e.g. `huggingface-cli download`)", file=cfg.path, key=key)
+    for command in commands:
+        print("+ " + shlex.join(command), flush=True)
+        if not args.dry_run:
+            subprocess.run(command, check=True)
+    if not args.dry_run:
+        print(json.dumps({"engines": str(Path(args.out or cfg.output_dir) / "engines")}))
+    return 0
+
+
+def register_cli(sub) -> None:
+    b = sub.add_parser("build", help="convert + trtllm-build a deployment from a build config (build_configs/*.yaml)")
+    b.add_argument("--config", required=True, help="build config YAML")
+    b.add_argument("--out", help="output root (default: the config's output_dir): checkpoints/ and engines/")
+    b.add_argument("--plugin-lib", help="libdflash_plugins.so, loaded into trtllm-build before the drafter is built")
+    b.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    b.set_defaults(func=cmd_build)

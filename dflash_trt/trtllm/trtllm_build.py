@@ -1,0 +1,49 @@
+"""`python -m dflash_trt.trtllm.trtllm_build --dflash_target_checkpoint DIR [--dflash_plugin_lib SO] <trtllm-build args>`
+
+trtllm-build with our architectures registered: loads the plugin library (so TensorRT's registry
+has the "dflash" creators), registers DFlashDraftForCausalLM and the capturing target class in
+MODEL_MAP (model.register), turns on TensorRT's aliased plugin I/O (DFlashKVInject updates the drafter's
+caches in place; TensorRT honours IPluginV3OneBuildV2::getAliasedInput only with
+PreviewFeature.ALIASED_PLUGIN_IO_10_03, which tensorrt_llm's Builder.create_builder_config does not set),
+then runs tensorrt_llm.commands.build:main on the remaining arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+
+
+def enable_aliased_plugin_io() -> None:
+    """Wrap tensorrt_llm.builder.Builder.create_builder_config (what builder.build() calls once per engine)."""
+    from . import api
+
+    builder = api.get("Builder")
+    create = builder.create_builder_config
+
+    def create_with_aliasing(self, *args, **kwargs):
+        config = create(self, *args, **kwargs)
+        config.trt_builder_config.set_preview_feature(api.get("trt.PreviewFeature").ALIASED_PLUGIN_IO_10_03, True)
+        return config
+
+    builder.create_builder_config = create_with_aliasing
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--dflash_target_checkpoint", required=True)
+    parser.add_argument("--dflash_plugin_lib")
+    ours, rest = parser.parse_known_args(argv)
+    if ours.dflash_plugin_lib:
+        ctypes.CDLL(ours.dflash_plugin_lib, mode=ctypes.RTLD_GLOBAL)
+    from . import api, model
+
+    model.register(ours.dflash_target_checkpoint)
+    enable_aliased_plugin_io()
+    sys.argv = ["trtllm-build", *rest]
+    api.get("build_main")()
+
+
+if __name__ == "__main__":
+    main()
