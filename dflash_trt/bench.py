@@ -2,7 +2,8 @@
 
 Per domain, batch 1: τ (tokens per target step, bonus included), the acceptance
 histogram, decode tokens/s (prefill excluded, as z-lab's benchmark does), speedup over AR on
-the same backend, and how many outputs equal AR's token for token (all of them in fp32).
+the same backend, and how many outputs equal AR's token for token (all of them in fp32; in bf16, for
+each that differs, the target's logit gap between the two tokens where it first differs: near-ties).
 Then a concurrency sweep: total tokens/s vs tokens/s per user, for each method.
 Writes bench.json, bench.md and (with matplotlib) bench.png.
 """
@@ -55,6 +56,26 @@ def _summary(outs, wall: float) -> dict:
     }
 
 
+def flip_logit_gap(backend, prompt: list[int], reference: list[int], output: list[int]) -> float | None:
+    """Where `output` first leaves `reference` (plain decoding's output), how far apart the target puts the
+    two tokens: logit(reference token) − logit(output token), from one target pass over the common prefix
+    (`backend` must have no drafter). None when the outputs agree up to the shorter one's length.
+
+    In bf16 a verify pass over a block rounds differently from a one-token step, so two tokens whose
+    logits are within rounding of each other can swap; a gap of a few bf16 ulps of the logits says a
+    flip is such a near-tie, a large gap would say the runtime is wrong."""
+    i = next((j for j, (a, b) in enumerate(zip(reference, output)) if a != b), None)
+    if i is None:
+        return None
+    seq_id = -1 - i  # not an id the Generator hands out
+    backend.add_sequence(seq_id)
+    try:
+        logits = backend.prefill([seq_id], [list(prompt) + list(reference[:i])], need_logits=[True])[0].logits[-1].float()
+    finally:
+        backend.release(seq_id)
+    return float(logits[reference[i]] - logits[output[i]])
+
+
 def run_bench(methods: list[Method], prompt_sets: dict[str, list[list[int]]], eos, max_new: int, concurrency: list[int], progress: bool = True) -> dict:
     """prompt_sets: domain → token id lists. The first method is the AR reference."""
     from tqdm import tqdm
@@ -72,6 +93,8 @@ def run_bench(methods: list[Method], prompt_sets: dict[str, list[list[int]]], eo
             if reference is None:
                 reference = ids  # the first method is AR: the reference output
             stats["equal_to_ar"] = sum(a == b for a, b in zip(ids, reference))
+            gaps = [flip_logit_gap(methods[0].backend, p, r, o) for p, r, o in zip(prompts, reference, ids) if r != o]
+            stats["flip_logit_gaps"] = [round(g, 4) for g in gaps if g is not None]
             row[m.name] = stats
             bar.update()
         base = row[methods[0].name]["decode_tokens_per_s"]
@@ -92,12 +115,15 @@ def run_bench(methods: list[Method], prompt_sets: dict[str, list[list[int]]], eo
 
 
 def markdown(results: dict, methods: list[str], header: str) -> str:
-    lines = [header, "", "| domain | method | τ | decode tok/s | speedup vs AR | = AR output | acceptance histogram |", "|---|---|---|---|---|---|---|"]
+    lines = [header, "", "| domain | method | τ | decode tok/s | speedup vs AR | = AR output | flips: max logit gap | acceptance histogram |",
+             "|---|---|---|---|---|---|---|---|"]
     for domain, row in results["domains"].items():
         for m in methods:
             s = row[m]
+            gaps = s.get("flip_logit_gaps", [])
+            flips = f"{max(abs(g) for g in gaps):.3f} ({len(gaps)})" if gaps else "–"
             lines.append(f"| {domain} | {m} | {s['tau']:.2f} | {s['decode_tokens_per_s']:.1f} | {s['speedup_vs_ar']:.2f}× | "
-                         f"{s['equal_to_ar']}/{s['requests']} | {s['acceptance_histogram']} |")
+                         f"{s['equal_to_ar']}/{s['requests']} | {flips} | {s['acceptance_histogram']} |")
     lines += ["", "| concurrency | method | total tok/s | tok/s per user | τ |", "|---|---|---|---|---|"]
     for c, row in results["concurrency"].items():
         for m in methods:

@@ -21,6 +21,7 @@ def test_bench_reports_every_method_per_domain_and_concurrency(tiny_dirs, tmp_pa
         assert set(row) == {"ar", "dflash"}
         assert row["ar"]["speedup_vs_ar"] == 1.0 and row["ar"]["tau"] == 1.0
         assert row["dflash"]["equal_to_ar"] == row["dflash"]["requests"]  # lossless in fp32
+        assert row["dflash"]["flip_logit_gaps"] == []
         for s in row.values():
             assert s["output_tokens"] == 10 * s["requests"] and s["decode_tokens_per_s"] > 0
             assert sum(k * v for k, v in s["acceptance_histogram"].items()) == s["output_tokens"] - s["requests"]
@@ -28,3 +29,25 @@ def test_bench_reports_every_method_per_domain_and_concurrency(tiny_dirs, tmp_pa
     assert table.count("| code |") == 2 and "| 2 | dflash |" in table
     if plot(results, ["ar", "dflash"], tmp_path / "b.png"):
         assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_flip_logit_gap_is_the_targets_logit_difference_where_outputs_first_differ(tiny_dirs):
+    """Reference: transformers' logits for the common prefix, top-1 against top-2."""
+    import torch
+    import transformers
+
+    from dflash_trt.bench import flip_logit_gap
+
+    target_dir, _ = tiny_dirs
+    backend = TorchBackend(load_target(target_dir), None, 16, 16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    prompt, reference = [5, 6, 7], [11, 12, 13, 14]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + reference[:2]])).logits[0, -1]
+    top2 = logits.topk(2)
+    reference[2] = int(top2.indices[0])
+    output = reference[:2] + [int(top2.indices[1]), 9]
+    gap = flip_logit_gap(backend, prompt, reference, output)
+    assert abs(gap - float(top2.values[0] - top2.values[1])) < 1e-4 and gap >= 0
+    assert flip_logit_gap(backend, prompt, reference, list(reference)) is None
+    assert backend.target_cache.num_free_pages == 16  # the probe's pages went back to the pool
