@@ -16,7 +16,7 @@ import pytest
 from dflash_trt.kernels import plugin_spec as spec
 
 ROOT = Path(__file__).resolve().parents[1]
-TRT_INCLUDE = ROOT.parent / "shared" / "third_party" / "tensorrt" / "include"
+TRT_INCLUDE = ROOT / "third_party" / "tensorrt" / "include"  # TensorRT's public headers, vendored (Apache-2.0)
 CUDA_INCLUDE = Path("/usr/local/cuda/include")
 TINY_SHAPE = (2, 4, 2, 16, 8)  # L, nh, nkv, hd, block size: every variant, compiled fast
 CXX_FLAGS = ["-std=c++17", "-fPIC", "-Wall", "-Wextra", "-Werror", "-Wsuggest-override"]
