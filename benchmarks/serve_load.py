@@ -47,6 +47,8 @@ def start_server(args, drafter: str | None, port: int) -> subprocess.Popen:
            "--max-batch", str(args.max_batch), "--max-queue", str(max(args.levels) * 2), "--max-model-len", str(args.max_model_len),
            "--dtype", args.dtype, "--threads", str(args.threads), "--model-name", "bench", "--log-level", "warning"]
     cmd += ["--drafter", drafter] if drafter else ["--no-drafter"]
+    if drafter and args.max_verify_tokens:
+        cmd += ["--max-verify-tokens", str(args.max_verify_tokens)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=None)
 
 
@@ -130,6 +132,7 @@ def main() -> int:
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--modes", default="ar,dflash")
+    p.add_argument("--max-verify-tokens", type=int, help="DFlash server's verify budget per step (serve --max-verify-tokens)")
     p.add_argument("--out", default="serve-load.json")
     args = p.parse_args()
     args.levels = [int(c) for c in args.concurrency.split(",")]

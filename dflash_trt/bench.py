@@ -28,10 +28,11 @@ from .sampling import SamplingParams
 class Method:
     name: str  # "ar", "dflash", ...
     backend: object
+    max_verify_tokens: int | None = None  # the Generator's verify budget (None: full blocks at any batch)
 
 
 def _run(method: Method, prompts: list[list[int]], eos, max_new: int, concurrency: int):
-    gen = Generator(method.backend, eos_token_ids=eos, max_batch=concurrency)
+    gen = Generator(method.backend, eos_token_ids=eos, max_batch=concurrency, max_verify_tokens=method.max_verify_tokens)
     start = time.perf_counter()
     outs = gen.generate(prompts, SamplingParams(max_new_tokens=max_new))
     return outs, time.perf_counter() - start
@@ -186,10 +187,10 @@ def cmd_bench(args) -> int:
     methods = [Method("ar", TorchBackend(target, None, num_pages=pages))]
     if args.eagle:
         eagle = load_eagle_drafter(args.eagle, cfg, dtype=DTYPES[args.dtype])
-        methods.append(Method("eagle3", TorchBackend(target, eagle, num_pages=pages)))
+        methods.append(Method("eagle3", TorchBackend(target, eagle, num_pages=pages), args.max_verify_tokens))
     if args.drafter:
         drafter = load_drafter(args.drafter, cfg, dtype=DTYPES[args.dtype])
-        methods.append(Method("dflash", TorchBackend(target, drafter, num_pages=pages, block_size=args.block_size)))
+        methods.append(Method("dflash", TorchBackend(target, drafter, num_pages=pages, block_size=args.block_size), args.max_verify_tokens))
     eos = generation_eos_ids(args.target, tok, args.tokenizer)
     results = run_bench(methods, prompt_sets, eos, args.max_new_tokens, concurrency, progress=not args.quiet)
     results["setup"] = {"target": str(args.target), "tokenizer": args.tokenizer, "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "block_size": args.block_size,
@@ -218,6 +219,7 @@ def register_cli(sub) -> None:
     b.add_argument("--num-prompts", type=int, default=8, help="prompts per domain")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--block-size", type=int)
+    b.add_argument("--max-verify-tokens", type=int, help="DFlash's verify budget per step over the batch (see generate)")
     b.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated batch sizes for the sweep ('' to skip)")
     b.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     b.add_argument("--threads", type=int)

@@ -152,7 +152,8 @@ def run_generation(args, backend, tokenizer, prompts: list[list[int]], eos, max_
     from .sampling import SamplingParams
 
     printer = tp is None or tp.rank == 0
-    gen = Generator(backend, eos_token_ids=eos, max_batch=min(args.max_batch, len(prompts)), max_seq_len=max_seq_len)
+    gen = Generator(backend, eos_token_ids=eos, max_batch=min(args.max_batch, len(prompts)), max_seq_len=max_seq_len,
+                    max_verify_tokens=args.max_verify_tokens)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, ignore_eos=args.ignore_eos,
@@ -233,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat-template", action="store_true")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     g.add_argument("--max-batch", type=int, default=8)
+    g.add_argument("--max-verify-tokens", type=int, help="at most this many tokens per verify pass over the batch: "
+                   "blocks shrink as the batch grows (default: no limit)")
     g.add_argument("--kv-pages", type=int, help="KV pool size in pages (default: enough for the batch)")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--threads", type=int, help="torch CPU threads")

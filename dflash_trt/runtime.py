@@ -61,7 +61,14 @@ class Generator:
         max_batch: int = 8,
         use_drafter: bool = True,
         max_seq_len: int | None = None,
+        max_verify_tokens: int | None = None,
     ):
+        """`max_verify_tokens`: at most this many tokens in one verify pass over the batch. Each request then
+        drafts min(block_size − 1, budget / batch − 1) tokens: full blocks at low concurrency, shorter ones
+        (down to plain decoding) as the batch grows and the target's pass stops being memory-bound."""
+        if max_verify_tokens is not None and max_verify_tokens < 1:
+            raise RequestError(f"max_verify_tokens must be >= 1, got {max_verify_tokens}")
+        self.max_verify_tokens = max_verify_tokens
         self.backend = backend
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_batch = max_batch
@@ -147,9 +154,20 @@ class Generator:
     def _prefill(self, seqs: list[Sequence]) -> list[RequestOutput]:
         start = time.perf_counter()
         ids = [s.seq_id for s in seqs]
-        for s in ids:
-            self.backend.add_sequence(s)
-        scores = self.backend.prefill(ids, [s.prompt for s in seqs], [not s.params.greedy for s in seqs])
+        added = []
+        try:
+            for s in ids:
+                self.backend.add_sequence(s)
+                added.append(s)
+            scores = self.backend.prefill(ids, [s.prompt for s in seqs], [not s.params.greedy for s in seqs])
+        except BaseException:
+            # These requests are neither waiting nor running: give their pages back before the error goes up,
+            # or a server that survives the failure would lose that much of its KV pool for good.
+            for s in ids:
+                self._pages_reserved.pop(s, None)
+            for s in added:
+                self.backend.release(s)
+            raise
         for s, last in zip(seqs, scores):
             first = int(last.tokens[-1]) if s.params.greedy else sample(target_probs(last.logits[-1:], s.params)[0], s.generator)
             s.append([first])
@@ -160,6 +178,12 @@ class Generator:
             if s.finish_reason is not None:
                 finished.append(self._finish(s.seq_id))
         return finished
+
+    def drafts_per_request(self, batch: int) -> int:
+        """Drafts each of `batch` decoding requests gets this step (the same on every TP rank)."""
+        if self.max_verify_tokens is None:
+            return self.max_drafts
+        return max(0, min(self.max_drafts, self.max_verify_tokens // batch - 1))
 
     def _finish(self, seq_id: int) -> RequestOutput:
         run = self._running.pop(seq_id)
@@ -185,7 +209,7 @@ class Generator:
         just_prefilled = {s.seq_id for s in admitted}
         decoding = [r.seq for r in self._running.values() if r.seq.seq_id not in just_prefilled]
         if decoding:
-            speculative_step(self.backend, decoding, self.max_drafts)
+            speculative_step(self.backend, decoding, self.drafts_per_request(len(decoding)))
             finished += [self._finish(s.seq_id) for s in decoding if s.finish_reason is not None]
         if not admitted and not decoding and self._waiting:
             raise KVCacheFullError("no request can be admitted: the KV pool is too small for the next request")

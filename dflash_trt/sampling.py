@@ -43,9 +43,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [n, V] → the distribution the target samples from, [n, V] fp32.
 
     top-k keeps the k largest; top-p keeps the smallest prefix of the sorted distribution
-    whose mass reaches top_p (the token that crosses the threshold is kept).
+    whose mass reaches top_p (the token that crosses the threshold is kept). Computed on the CPU: each
+    request's seeded generator is a CPU one, so a sample is the same on any device and any TP rank.
     """
-    scores = logits.float() / params.temperature
+    scores = logits.float().cpu() / params.temperature
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

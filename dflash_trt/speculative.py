@@ -39,7 +39,9 @@ class Scores:
 
 
 class Backend(Protocol):
-    """What a backend (torch now, TensorRT engines later) implements; the loop does the rest."""
+    """What a backend (torch now, TensorRT engines later) implements; the loop does the rest.
+
+    `need_logits[i]`: whether sequence i's Scores carry full logits (it samples); None means every sequence."""
 
     vocab_size: int
     max_drafts: int  # block_size - 1, or 0 without a drafter

@@ -22,7 +22,9 @@ no all-reduce while drafting, but every rank spends the drafter's full FLOPs and
 Ranks come from mpi4py (one process per GPU under mpirun, as TensorRT-LLM launches them) or from
 torchrun's environment; the process group is torch.distributed's, gloo on CPU and NCCL on CUDA. A
 collective that fails (a peer died: gloo sees its socket close; a peer hangs: the group's timeout)
-raises DistributedError on the ranks that wait, so no rank hangs.
+raises DistributedError on the ranks that wait, so no rank hangs. Under NCCL a dead peer is only seen
+when the group's timeout (`--tp-timeout`) expires, and NCCL's watchdog may then abort the process
+instead of raising: the job still ends, but with NCCL's message rather than ours.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ class TPGroup:
             result, error = fn(), None
         except DFlashError as e:
             result, error = None, str(e)
+        except Exception as e:  # anything else local (a corrupt file, out of memory) must reach the others too
+            result, error = None, f"{type(e).__name__}: {e}"
         ranks_by_error: dict[str, list[str]] = {}
         for r, e in enumerate(self.all_gather_object(error)):
             if e is not None:

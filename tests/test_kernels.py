@@ -65,8 +65,9 @@ def test_kv_inject_equals_reference_and_writes_only_its_slots(act, cache_dtype, 
     scales = (0.5, 0.25) if cache_dtype == FP8 else (1.0, 1.0)
     kv_inject_reference(kv, k_norm, cos, sin, slots, cache[0].k, cache[0].v, 1e-6, *scales)
     inject_triton.kv_inject(kv, k_norm, cos, sin, slots.to(torch.int32), cache[1].k, cache[1].v, 1e-6, *scales)
-    assert_matches(cache[1].k, cache[0].k, cache_dtype)
-    assert_matches(cache[1].v, cache[0].v, cache_dtype, exact_fraction=1.0)
+    # compared on the written slots only: the untouched ones are zero on both sides and would dilute the fraction
+    assert_matches(cache[1].k[:, slots], cache[0].k[:, slots], cache_dtype)
+    assert_matches(cache[1].v[:, slots], cache[0].v[:, slots], cache_dtype, exact_fraction=1.0)
     untouched = torch.ones(cache[1].k.shape[1], dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert cache[1].k[:, untouched].float().abs().sum() == 0 and cache[1].v[:, untouched].float().abs().sum() == 0

@@ -152,6 +152,28 @@ def test_requests_joining_a_running_batch_stay_lossless(setup):
     assert [done[i] for i in ids] == refs["llama"]
 
 
+def test_verify_budget_shrinks_blocks_with_the_batch_and_stays_lossless(setup):
+    """max_verify_tokens=24 over 16-token blocks: 1 request drafts 15, 3 draft 7, 8 draft 2, 12 decode plainly."""
+    targets, drafters, prompts, refs, models = setup
+    backend = OracleDrafts(_backend(models, drafters, "full", 16), prompts, refs["llama"], seed=2)
+    passes: list[tuple[int, int, int]] = []  # (batch, tokens verified, longest block)
+    verify = backend.inner.verify
+
+    def counting_verify(seq_ids, blocks, need_logits=None):
+        passes.append((len(blocks), sum(map(len, blocks)), max(map(len, blocks))))
+        return verify(seq_ids, blocks, need_logits)
+
+    backend.inner.verify = counting_verify
+    for batch in (1, 3, 8, 12):
+        gen = Generator(backend, max_batch=batch, max_verify_tokens=24)
+        passes.clear()
+        outs = gen.generate(prompts[:12], SamplingParams(max_new_tokens=MAX_NEW))
+        assert [o.output_ids for o in outs] == refs["llama"][:12]
+        assert all(tokens <= 24 and longest <= 1 + gen.drafts_per_request(b) for b, tokens, longest in passes)
+        assert max(longest for b, _, longest in passes if b == batch) == 1 + gen.drafts_per_request(batch)  # and uses it
+    assert [Generator(backend, max_verify_tokens=24).drafts_per_request(b) for b in (1, 3, 8, 12, 24)] == [15, 7, 2, 1, 0]
+
+
 def test_small_pool_queues_requests_instead_of_failing(setup):
     targets, drafters, prompts, refs, models = setup
     # 24 pages of 4 tokens: each request reserves up to ceil((20 + 24 + 4) / 4) = 12, so one or two run at a time

@@ -373,25 +373,30 @@ def test_openai_client_reads_the_server(live, tokenizer, reference):
         client.completions.create(model="tiny", prompt="hi", temperature=5)
 
 
-def test_a_failing_step_answers_500_and_the_server_keeps_serving(tiny_dirs):
+@pytest.mark.parametrize("failing", ["prefill", "verify"])
+def test_a_failing_step_answers_500_and_the_server_keeps_serving(tiny_dirs, failing):
     with start(tiny_dirs) as live:
-        backend = live.server.model.generator.backend
-        verify = backend.verify
+        generator = live.server.model.generator
+        backend = generator.backend
+        method = getattr(backend, failing)
         calls = []
 
         def broken_once(*args):
             calls.append(1)
             if len(calls) == 1:
                 raise RuntimeError("injected backend failure")
-            return verify(*args)
+            return method(*args)
 
-        backend.verify = broken_once
+        setattr(backend, failing, broken_once)
         with httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
             r = c.post("/v1/completions", json={**GREEDY, "prompt": "hello", "max_tokens": 10})
             assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
             assert "injected backend failure" in r.json()["error"]["message"]
             live.wait_idle()
+            # every page is back: in the backend's pools and in the Generator's admission budget
             assert backend.target_cache.num_free_pages == backend.num_pages
+            assert backend.drafter_cache.num_free_pages == backend.num_pages
+            assert sum(generator._pages_reserved.values()) == 0
             assert c.get("/health").status_code == 200
             r = c.post("/v1/completions", json={**GREEDY, "prompt": "hello", "max_tokens": 10})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10

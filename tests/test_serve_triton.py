@@ -212,3 +212,28 @@ def test_model_cancels_and_frees_kv_pages_and_rejects_bad_input(triton_model):
     triton_model.execute([request(ok, "hello", 3, False)])
     wait_final([ok])
     assert ok.responses[0][0].error is None and ok.responses[0][0].tensors["num_output_tokens"][0, 0] <= 3
+
+
+class BrokenSender(FakeSender):
+    """A client that went away without Triton noticing: every send raises."""
+
+    def send(self, response=None, flags=0):
+        self.responses.append((response, flags))
+        raise RuntimeError("the stream is closed")
+
+
+def test_a_failing_send_cancels_its_request_and_the_engine_keeps_serving(triton_model):
+    backend, generator = triton_model.model.generator.backend, triton_model.model.generator
+    broken = BrokenSender()
+    triton_model.execute([request(broken, "hello world", 200, True)])
+    deadline = time.monotonic() + 20
+    while generator.has_work or not broken.responses:
+        assert time.monotonic() < deadline, "the broken stream's request never ended"
+        time.sleep(0.01)
+    assert triton_model.engine.alive
+    assert len(broken.responses) < 20  # cancelled after the first failed send, not run to max_tokens
+    assert backend.target_cache.num_free_pages == backend.num_pages
+    ok = FakeSender()
+    triton_model.execute([request(ok, "hello", 3, False)])
+    wait_final([ok])
+    assert ok.responses[0][0].error is None

@@ -60,7 +60,7 @@ def block_attention_variants(act, kv, nh, nkv, hd, max_q, causal) -> list[Varian
     sig = dict(q_ptr=DTYPES[act], k_pool_ptr=DTYPES[kv], v_pool_ptr=DTYPES[kv], kv_slots_ptr="*i32", q_starts_ptr="*i32",
                q_lens_ptr="*i32", kv_lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", max_kv="i32",
                keys_per_split="i32", qk_scale="fp32", k_scale="fp32", v_scale="fp32", window="i32")
-    const = dict(NUM_HEADS=nh, NUM_KV_HEADS=nkv, HEAD_DIM=hd, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=BLOCK_N, CAUSAL=bool(causal), IEEE_DOT=kv == "fp32")
+    const = dict(NUM_HEADS=nh, NUM_KV_HEADS=nkv, HEAD_DIM=hd, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=BLOCK_N, CAUSAL=bool(causal), IEEE_DOT="fp32" in (act, kv))
     partial = Variant("block_attention_partial", (act, kv, nh, nkv, hd, bm, int(causal)), "block_attention_kernel:block_attention_partial_kernel", sig, const)
     sig = dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", q_starts_ptr="*i32", q_lens_ptr="*i32", out_ptr=DTYPES[act], num_splits="i32")
     const = dict(NUM_HEADS=nh, NUM_KV_HEADS=nkv, HEAD_DIM=hd, BLOCK_D=bd, BLOCK_M=bm)

@@ -45,7 +45,7 @@ def block_attention_partial_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
-    IEEE_DOT: tl.constexpr,  # fp32 pools: exact fp32 products; else tf32 tensor cores
+    IEEE_DOT: tl.constexpr,  # fp32 queries or pools: exact fp32 products; else tensor cores
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -195,7 +195,7 @@ def block_attention(q, k_pool, v_pool, kv_slots, q_starts, q_lens, kv_lens, max_
         q.contiguous(), k_pool, v_pool, kv_slots.contiguous(), q_starts, q_lens, kv_lens, acc, m, l,
         max_kv, keys_per_split(max_kv, splits), math.log2(math.e) / math.sqrt(hd), k_scale, v_scale, window or 0,
         NUM_HEADS=nh, NUM_KV_HEADS=nkv, HEAD_DIM=hd, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=BLOCK_N,
-        CAUSAL=causal, IEEE_DOT=k_pool.dtype == torch.float32,
+        CAUSAL=causal, IEEE_DOT=torch.float32 in (q.dtype, k_pool.dtype),  # fp32 anywhere: the reference is exact fp32
     )
     block_attention_combine_kernel[(B, nkv)](
         acc, m, l, q_starts, q_lens, out, splits,

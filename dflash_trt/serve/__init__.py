@@ -23,6 +23,8 @@ def _model_args(p) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request does not say")
     p.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
+    p.add_argument("--max-verify-tokens", type=int, help="at most this many tokens per verify pass over the batch: blocks shrink "
+                   "(down to plain decoding) as concurrency grows (default: no limit)")
 
 
 def _drafter_dir(args) -> str | None:
@@ -50,7 +52,7 @@ def cmd_serve(args) -> int:
     from .engine import load_model
     from .server import Server, run
 
-    _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens", "threads")
+    _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens", "threads", "max-verify-tokens")
     if args.max_queue < 0:
         from ..errors import ConfigError
 
@@ -60,7 +62,7 @@ def cmd_serve(args) -> int:
     model = load_model(
         args.target, _drafter_dir(args), tokenizer_dir=args.tokenizer, drafter_type=args.drafter_type, dtype=args.dtype,
         max_batch=args.max_batch, max_model_len=args.max_model_len, kv_pages=args.kv_pages, page_size=args.page_size,
-        block_size=args.block_size,
+        block_size=args.block_size, max_verify_tokens=args.max_verify_tokens,
     )
     name = args.model_name or Path(args.target).resolve().name
     server = Server(model, name, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens)
@@ -73,12 +75,12 @@ def cmd_serve(args) -> int:
 def cmd_triton_repo(args) -> int:
     from .triton_repo import write_repository
 
-    _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens")
+    _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens", "max-verify-tokens")
     out = write_repository(
         args.out, target=args.target, drafter=_drafter_dir(args), model_name=args.model_name or "dflash",
         tokenizer=args.tokenizer, drafter_type=args.drafter_type, block_size=args.block_size, dtype=args.dtype,
         max_batch=args.max_batch, max_model_len=args.max_model_len, kv_pages=args.kv_pages, page_size=args.page_size,
-        default_max_tokens=args.default_max_tokens, force=args.force,
+        default_max_tokens=args.default_max_tokens, max_verify_tokens=args.max_verify_tokens, force=args.force,
     )
     print(out)
     return 0

@@ -199,7 +199,7 @@ class LoadedModel:
 def load_model(
     target_dir: str, drafter_dir: str | None, *, tokenizer_dir: str | None = None, drafter_type: str = "dflash",
     dtype: str = "fp32", max_batch: int = 8, max_model_len: int | None = 2048, kv_pages: int | None = None,
-    page_size: int = 16, block_size: int | None = None,
+    page_size: int = 16, block_size: int | None = None, max_verify_tokens: int | None = None,
 ) -> LoadedModel:
     """Load target (+ drafter) and tokenizer the way `dflash-trt generate` does. Without `kv_pages`
     the pool holds `max_batch` requests of `max_model_len` tokens each."""
@@ -216,7 +216,8 @@ def load_model(
         kv_pages = max_batch * -(-(max_model_len + worst_block) // page_size)
     backend = load_torch_backend(target_dir, drafter_dir, DTYPES[dtype], "cpu", kv_pages, page_size, block_size, drafter_type)
     eos = generation_eos_ids(target_dir, tokenizer)
-    gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, use_drafter=drafter_dir is not None, max_seq_len=max_model_len)
+    gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, use_drafter=drafter_dir is not None, max_seq_len=max_model_len,
+                    max_verify_tokens=max_verify_tokens)
     return LoadedModel(gen, tokenizer, max_model_len, backend.block_size, drafter_dir)
 
 

@@ -356,9 +356,13 @@ class Server:
             self.admit(len(prompts))
         except APIError as e:
             return self.error_response(e)
+        try:
+            gen = Generation(self, prompts, params, body.stop_list())
+            gen.start()
+        except BaseException:
+            self.in_flight -= len(prompts)  # admitted, but never handed to the engine
+            raise
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        gen = Generation(self, prompts, params, body.stop_list())
-        gen.start()
         if body.stream:
             return EventStreamResponse(self.stream(gen, body, chat, endpoint), on_close=lambda: self.close(gen, endpoint))
         watcher = asyncio.create_task(self._watch_disconnect(http, gen))

@@ -74,7 +74,7 @@ class TritonPythonModel:
             p["target_dir"], p.get("drafter_dir") or None, tokenizer_dir=p.get("tokenizer_dir") or None,
             drafter_type=p.get("drafter_type") or "dflash", dtype=p.get("dtype") or "fp32", max_batch=opt_int("max_batch") or 8,
             max_model_len=opt_int("max_model_len"), kv_pages=opt_int("kv_pages"), page_size=opt_int("page_size") or 16,
-            block_size=opt_int("block_size"),
+            block_size=opt_int("block_size"), max_verify_tokens=opt_int("max_verify_tokens"),
         )
         self.default_max_tokens = opt_int("default_max_tokens") or 256
         self._live_lock = threading.Lock()
@@ -87,6 +87,10 @@ class TritonPythonModel:
         """Decoupled: returns None; every response goes through the request's response sender."""
         for request in requests:
             sender = request.get_response_sender()
+            if not self.engine.alive:  # a failure ended the engine thread: answer rather than queue forever
+                error = pb_utils.TritonError(f"the dflash engine is not running ({self.engine.fatal!r})")
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+                continue
             try:
                 engine_request, state = self._parse(request, sender)
             except Exception as e:  # a bad request gets an error response; the model stays up
@@ -145,18 +149,28 @@ class TritonPythonModel:
                 state.cancel_sent = True  # a stop word: generate no further
                 self.engine.cancel(request)
             if state.stream and delta:
-                state.sender.send(self._response(state, delta))
+                self._send(request, state, self._response(state, delta))
         for request, output in events.finished.items():
             state = self._forget(request)
             if output is None or (output.finish_reason == "cancelled" and not state.detok.stopped):
                 error = pb_utils.TritonError("request cancelled", getattr(pb_utils.TritonError, "CANCELLED", None))
-                state.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+                self._send(request, state, pb_utils.InferenceResponse(output_tensors=[], error=error), FINAL)
                 continue
             rest = state.detok.finish()
-            state.sender.send(self._response(state, rest if state.stream else state.detok.text, output), flags=FINAL)
+            self._send(request, state, self._response(state, rest if state.stream else state.detok.text, output), FINAL)
         for request, error in events.errors.items():
             state = self._forget(request)
-            state.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error))), flags=FINAL)
+            self._send(request, state, pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error))), FINAL)
+
+    def _send(self, request, state, response, flags=0):
+        """Send on the engine thread; a send that fails (the client is gone) cancels the request instead of
+        raising into the engine, whose thread must outlive any one request."""
+        try:
+            state.sender.send(response, flags=flags)
+        except Exception:
+            if not state.cancel_sent:
+                state.cancel_sent = True
+                self.engine.cancel(request)
 
     def _forget(self, request):
         with self._live_lock:

@@ -68,7 +68,7 @@ def write_repository(
     out: str | Path, *, target: str, drafter: str | None, model_name: str = "dflash", tokenizer: str | None = None,
     drafter_type: str = "dflash", block_size: int | None = None, dtype: str = "fp32", max_batch: int = 8,
     max_model_len: int = 2048, kv_pages: int | None = None, page_size: int = 16, default_max_tokens: int = 256,
-    force: bool = False,
+    max_verify_tokens: int | None = None, force: bool = False,
 ) -> Path:
     """Write the repository atomically (temp dir, then rename); returns its path."""
     out = Path(out)
@@ -91,6 +91,7 @@ def write_repository(
         "kv_pages": str(kv_pages or ""),
         "page_size": str(page_size),
         "default_max_tokens": str(default_max_tokens),
+        "max_verify_tokens": str(max_verify_tokens or ""),
         # where dflash_trt can be imported from if it is not installed in Triton's Python
         "python_path": str(Path(__file__).resolve().parents[2]),
     }

@@ -127,7 +127,7 @@ class TrtBackend:
 
     @staticmethod
     def _scores(logits: list[torch.Tensor], need_logits: list[bool] | None) -> list[Scores]:
-        need = need_logits or [False] * len(logits)
+        need = need_logits if need_logits is not None else [True] * len(logits)  # None: all (the Backend contract)
         return [Scores(tokens=rows.argmax(dim=-1), logits=rows if want else None) for rows, want in zip(logits, need)]
 
     def prefill(self, seq_ids: list[int], prompts: list[list[int]], need_logits: list[bool] | None = None) -> list[Scores]:
