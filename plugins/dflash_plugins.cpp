@@ -14,6 +14,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <string>
@@ -226,6 +227,21 @@ public:
         return find(name)->f;
     }
 
+    // "name=value must be > 0" for the first of `names` that is not positive (NaN included); empty if all are.
+    std::string firstNotPositive(std::initializer_list<char const*> names) const
+    {
+        for (char const* name : names)
+        {
+            Attr const* a = find(name);
+            bool const isInt = a->type == PluginFieldType::kINT32;
+            if (isInt ? a->i <= 0 : !(a->f > 0.F))
+            {
+                return std::string(name) + "=" + (isInt ? std::to_string(a->i) : std::to_string(a->f)) + " must be > 0";
+            }
+        }
+        return {};
+    }
+
 private:
     Attr* find(char const* name)
     {
@@ -333,6 +349,12 @@ public:
             {"k_scale", PluginFieldType::kFLOAT32, 0, 1.F}, {"v_scale", PluginFieldType::kFLOAT32, 0, 1.F}});
     }
 
+    // Why these attributes cannot run (empty if they can); the creator refuses them.
+    static std::string invalid(Attrs const& attrs)
+    {
+        return attrs.firstNotPositive({"num_layers", "num_kv_heads", "head_dim", "eps", "k_scale", "v_scale"});
+    }
+
     using PluginBase::PluginBase;
 
     int32_t getNbOutputs() const noexcept override
@@ -433,6 +455,22 @@ public:
             {"head_dim", PluginFieldType::kINT32, 128, 0.F}, {"max_q", PluginFieldType::kINT32, 16, 0.F},
             {"causal", PluginFieldType::kINT32, 0, 0.F}, {"window", PluginFieldType::kINT32, 0, 0.F},
             {"k_scale", PluginFieldType::kFLOAT32, 0, 1.F}, {"v_scale", PluginFieldType::kFLOAT32, 0, 1.F}});
+    }
+
+    // Why these attributes cannot run (empty if they can): blockM() and the kernels divide heads into kv head groups.
+    static std::string invalid(Attrs const& attrs)
+    {
+        std::string problem = attrs.firstNotPositive({"num_heads", "num_kv_heads", "head_dim", "max_q", "k_scale", "v_scale"});
+        if (problem.empty() && attrs.i("num_heads") % attrs.i("num_kv_heads") != 0)
+        {
+            problem = "num_heads=" + std::to_string(attrs.i("num_heads")) + " is not a multiple of num_kv_heads="
+                + std::to_string(attrs.i("num_kv_heads"));
+        }
+        if (problem.empty() && attrs.i("window") < 0)
+        {
+            problem = "window=" + std::to_string(attrs.i("window")) + " must be >= 0 (0: no window)";
+        }
+        return problem;
     }
 
     using PluginBase::PluginBase;
@@ -574,6 +612,11 @@ public:
         return Attrs({{"max_drafts", PluginFieldType::kINT32, 15, 0.F}});
     }
 
+    static std::string invalid(Attrs const& attrs)
+    {
+        return attrs.firstNotPositive({"max_drafts"});
+    }
+
     using PluginBase::PluginBase;
 
     int32_t getNbOutputs() const noexcept override
@@ -650,9 +693,16 @@ public:
 
     IPluginV3* createPlugin(char const* /*name*/, PluginFieldCollection const* fc, TensorRTPhase /*phase*/) noexcept override
     {
+        // Creation and deserialization both come here: a plugin never exists with attributes it cannot run.
         Attrs attrs = Plugin::defaults();
         if (!attrs.read(fc))
         {
+            return nullptr;
+        }
+        std::string const problem = Plugin::invalid(attrs);
+        if (!problem.empty())
+        {
+            logError(std::string(Plugin::kName) + ": " + problem);
             return nullptr;
         }
         return new Plugin(std::move(attrs));

@@ -81,14 +81,29 @@ def test_a_virtual_without_override_fails_the_build(aot_header, tmp_path):
     assert result.returncode != 0 and "override" in result.stderr
 
 
+@pytest.fixture(scope="module")
+def probe(aot_header, tmp_path_factory) -> Path:
+    """plugins/tests/abi_probe.cpp linked against the plugin library (see its header for the modes)."""
+    out = tmp_path_factory.mktemp("probe")
+    lib = out / "libdflash_plugins.so"
+    result = compile_plugins(aot_header, lib)
+    assert result.returncode == 0, result.stderr
+    cmd = ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", str(ROOT / "plugins" / "tests" / "abi_probe.cpp"), str(lib), "-o", str(out / "probe"),
+           "-isystem", str(TRT_INCLUDE), "-isystem", str(CUDA_INCLUDE), f"-Wl,-rpath,{out}", "-Wl,--unresolved-symbols=ignore-in-shared-libs"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return out / "probe"
+
+
+def create_plugin(probe: Path, name: str, **attrs) -> tuple[int | None, str]:
+    """(workspace bytes for batch ≤ 64, or None if createPlugin refused the attributes; what it logged)."""
+    result = subprocess.run([str(probe), name, *(f"{k}={v}" for k, v in attrs.items())], check=True, capture_output=True, text=True)
+    lines = result.stdout.split()
+    return (None if lines == ["refused"] else int(lines[lines.index("workspace") + 1])), result.stderr
+
+
 @needs_toolchain
-def test_plugin_abi_equals_plugin_spec(aot_header, tmp_path):
-    lib = tmp_path / "libdflash_plugins.so"
-    assert compile_plugins(aot_header, lib).returncode == 0
-    probe = tmp_path / "probe"
-    cmd = ["g++", "-std=c++17", str(ROOT / "plugins" / "tests" / "abi_probe.cpp"), str(lib), "-o", str(probe), "-isystem", str(TRT_INCLUDE), "-isystem", str(CUDA_INCLUDE),
-           f"-Wl,-rpath,{tmp_path}", "-Wl,--unresolved-symbols=ignore-in-shared-libs"]
-    subprocess.run(cmd, check=True, capture_output=True)
+def test_plugin_abi_equals_plugin_spec(probe):
     lines = subprocess.run([str(probe)], check=True, capture_output=True, text=True).stdout.splitlines()
     plugins, current = {}, None
     for line in lines:
@@ -108,16 +123,58 @@ def test_plugin_abi_equals_plugin_spec(aot_header, tmp_path):
         assert (got["ns"], got["version"]) == (spec.NAMESPACE, spec.VERSION)
         assert [(n, t) for n, t, _ in got["fields"]] == [(f.name, f.type) for f in want.fields]
         assert [d for _, _, d in got["fields"]] == pytest.approx([f.default for f in want.fields], rel=1e-6)
-        assert got["serialized"] == [want.fields[0].name, "7"]
+        assert got["serialized"] == [want.fields[0].name, "16"]
         assert int(got["outputs"][0]) == len(want.outputs)
         assert tuple(got["aliases"]) == want.aliases
     # output dtypes: attention follows q (bf16 = DataType 7), KV inject its caches (fp8 = 6), accept is int32 (3)
     assert plugins["DFlashBlockAttention"]["out_dtype0"] == ["7"]
     assert plugins["DFlashKVInject"]["out_dtype0"] == ["6"]
     assert plugins["DFlashAccept"]["out_dtype0"] == ["3"]
-    # the workspace bound of the C++ plugin (created with num_heads=7) equals the Python rule
-    want_ws = spec.block_attention_max_workspace(64, num_heads=7, num_kv_heads=8, head_dim=128, max_q=16)
-    assert int(plugins["DFlashBlockAttention"]["workspace"][0]) == want_ws
+
+
+@needs_toolchain
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,max_q,block_m", [(32, 8, 128, 16, 64), (12, 4, 96, 8, 32)])
+def test_block_attention_workspace_and_block_m_equal_plugin_spec(probe, num_heads, num_kv_heads, head_dim, max_q, block_m):
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, max_q=max_q)
+    workspace, _ = create_plugin(probe, "DFlashBlockAttention", **shape)
+    assert workspace == spec.block_attention_max_workspace(64, **shape)
+    launch = spec.block_attention_launch(64, 8192, **shape)
+    assert launch["workspace"] <= workspace  # the largest launch fits what the C++ plugin asks TensorRT for
+    # the bound is 4 bytes · max(TARGET_PROGRAMS, B·nkv) · block_m · (next_pow2(hd) + 2): read the C++ blockM() back
+    per_row = 4 * max(spec.TARGET_PROGRAMS, 64 * num_kv_heads) * ((1 << (head_dim - 1).bit_length()) + 2)
+    assert workspace % per_row == 0 and workspace // per_row == launch["block_m"] == block_m  # max_q · nh/nkv, to a power of 2
+
+
+INVALID_ATTRIBUTES = [  # (plugin, attributes, what the log names)
+    ("DFlashBlockAttention", dict(num_kv_heads=0), "num_kv_heads=0 must be > 0"),
+    ("DFlashBlockAttention", dict(num_heads=-32), "num_heads=-32 must be > 0"),
+    ("DFlashBlockAttention", dict(num_heads=7), "num_heads=7 is not a multiple of num_kv_heads=8"),
+    ("DFlashBlockAttention", dict(head_dim=0), "head_dim=0"),
+    ("DFlashBlockAttention", dict(max_q=0), "max_q=0"),
+    ("DFlashBlockAttention", dict(window=-1), "window=-1 must be >= 0"),
+    ("DFlashBlockAttention", dict(k_scale=0.0), "k_scale="),
+    ("DFlashBlockAttention", dict(v_scale=-1.0), "v_scale="),
+    ("DFlashKVInject", dict(num_layers=0), "num_layers=0"),
+    ("DFlashKVInject", dict(num_kv_heads=-1), "num_kv_heads=-1"),
+    ("DFlashKVInject", dict(head_dim=0), "head_dim=0"),
+    ("DFlashKVInject", dict(eps=0.0), "eps="),
+    ("DFlashKVInject", dict(eps="nan"), "eps=nan"),
+    ("DFlashKVInject", dict(k_scale=-0.5), "k_scale="),
+    ("DFlashAccept", dict(max_drafts=0), "max_drafts=0"),
+    ("DFlashAccept", dict(max_draft=3), "bad attribute max_draft"),
+]
+
+
+@needs_toolchain
+def test_invalid_attributes_are_refused_at_creation(probe):
+    for name, attrs, logged in INVALID_ATTRIBUTES:
+        workspace, log = create_plugin(probe, name, **attrs)
+        assert workspace is None, (name, attrs)  # createPlugin returned null: TensorRT fails the build or deserialization
+        assert f"dflash: {name}: " in log or "bad attribute" in logged, (name, log)
+        assert logged in log, (name, attrs, log)
+    for name in spec.PLUGINS:  # the defaults, and a grouped-head attention with a window, are accepted
+        assert create_plugin(probe, name)[0] is not None
+    assert create_plugin(probe, "DFlashBlockAttention", num_heads=12, num_kv_heads=4, window=4096, k_scale=0.5)[0] is not None
 
 
 def test_attributes_pack_to_plugin_fields_and_back():

@@ -1,7 +1,8 @@
 """Tensor parallelism over MPI ranks (`mpirun -n 2` / `-n 4`, gloo on CPU) against TP=1 on the same weights:
-token-identical outputs and accepted lengths (greedy and sampled, batch 3, nkv < tp, tied and untied heads,
-vocab padding, drafter sharded and replicated), every decode step's collectives in closed form, and
-failures that end on every rank within a timeout. Each launch batches several runs (a launch costs seconds).
+token-identical outputs, accepted lengths and drafter drafts (greedy and sampled, batch 3, nkv < tp, tied and
+untied heads, vocab padding, a reduced draft vocabulary, drafter sharded and replicated), every decode step's
+collectives in closed form, and failures that end on every rank within a timeout. Each launch batches several
+runs (a launch costs seconds).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_drafter, write_target, write_tokenizer
-from tp_worker import OracleDrafts
+from safetensors.torch import load_file, save_file
+from tp_worker import OracleDrafts, RecordedDrafts
 
 from dflash_trt.cli import encode_prompt, load_tokenizer, main
 from dflash_trt.convert import convert
@@ -41,8 +43,10 @@ MIXED = [  # a batch that samples (top-p, top-k) around a greedy sequence
 MODELS = {
     # vocab 99 pads to 100 at tp 2 and 4; 2 KV heads: split at tp 2, duplicated at tp 4
     "llama": dict(target=dict(arch="llama", seed=3, vocab_size=99), drafter={}),
-    # tied lm_head, q/k norms, 1 KV head (duplicated at every tp), in the target and in the drafter
-    "qwen3": dict(target=dict(arch="qwen3", seed=4, tie=True, num_key_value_heads=1), drafter=dict(num_key_value_heads=1)),
+    # tied lm_head, q/k norms, 1 KV head (duplicated at every tp), in the target and in the drafter; the drafter
+    # drafts from 48 of the 96 tokens (d2t), none of them in rank 2's vocab slice [48, 72) at tp 4
+    "qwen3": dict(target=dict(arch="qwen3", seed=4, tie=True, num_key_value_heads=1), drafter=dict(num_key_value_heads=1),
+                  draft_tokens=[t for t in range(96) if not 48 <= t < 72 and t % 3 != 1]),
 }
 RUNS = ("sharded", "replicated", "mixed")  # per model and launch: oracle-drafted greedy (both drafter modes), sampled
 
@@ -63,6 +67,15 @@ def run_worker(n: int, jobs: list[dict], tmp: Path, timeout_s: float = 60) -> tu
     return proc, seconds, ranks
 
 
+def write_draft_vocab(drafter_dir: Path, tokens: list[int]) -> None:
+    """Store the draft vocabulary `tokens` as EAGLE-3's d2t (draft token i is target token i + d2t[i]), as the
+    shipped drafters do, in a drafter written with draft_vocab_size=len(tokens)."""
+    path = drafter_dir / "model.safetensors"
+    state = load_file(path)
+    state["d2t"] = torch.tensor(tokens) - torch.arange(len(tokens))
+    save_file(state, path)
+
+
 def generate(backend, prompts, params):
     return Generator(backend, max_batch=len(prompts)).generate(prompts, [SamplingParams(**p) for p in params])
 
@@ -77,17 +90,26 @@ def tp_models(tmp_path_factory):
     for name, spec in MODELS.items():
         target_dir = write_target(root / name / "target", **spec["target"])
         write_tokenizer(target_dir, spec["target"].get("vocab_size", 96))
-        drafter_dir = write_drafter(root / name / "drafter", target_dir, num_layers=2, block_size=BLOCK, **spec["drafter"])
+        draft_tokens = spec.get("draft_tokens")
+        drafter_kwargs = dict(spec["drafter"], **({"draft_vocab_size": len(draft_tokens)} if draft_tokens else {}))
+        drafter_dir = write_drafter(root / name / "drafter", target_dir, num_layers=2, block_size=BLOCK, **drafter_kwargs)
+        if draft_tokens:
+            write_draft_vocab(drafter_dir, draft_tokens)
         for tp in (2, 4):
             convert(target_dir, drafter_dir, root / name / f"tp{tp}", dtype="fp32", tp=tp, **QUIET)
         target = load_target(target_dir)
         drafter = load_drafter(drafter_dir, target.cfg)
         refs = [o.output_ids for o in generate(TorchBackend(target, None, 256, 4), prompts, GREEDY)]
-        oracle = generate(OracleDrafts(TorchBackend(target, drafter, 256, 4, BLOCK), prompts, refs), prompts, GREEDY)
+        oracle_drafter = RecordedDrafts(TorchBackend(target, drafter, 256, 4, BLOCK))
+        oracle = generate(OracleDrafts(oracle_drafter, prompts, refs), prompts, GREEDY)
         assert [o.output_ids for o in oracle] == refs  # TP=1 is lossless with these drafts (test_lossless.py pins it)
-        mixed = generate(TorchBackend(target, drafter, 256, 4, BLOCK), prompts, MIXED)
+        mixed_drafter = RecordedDrafts(TorchBackend(target, drafter, 256, 4, BLOCK))
+        mixed = generate(mixed_drafter, prompts, MIXED)
+        if draft_tokens:  # the drafter really drafts from its reduced vocabulary only
+            assert {t for call in mixed_drafter.drafts for d in call for t in d} <= set(draft_tokens)
         models[name] = dict(dir=root / name, target_dir=target_dir, drafter_dir=drafter_dir, t_cfg=target.cfg, d_cfg=drafter.cfg, refs=refs,
-                            accepted=[o.accepted_lengths for o in oracle], mixed=[o.output_ids for o in mixed])
+                            accepted=[o.accepted_lengths for o in oracle], drafts=oracle_drafter.drafts,
+                            mixed=[o.output_ids for o in mixed], mixed_accepted=[o.accepted_lengths for o in mixed], mixed_drafts=mixed_drafter.drafts)
     return root, prompts, models
 
 
@@ -107,7 +129,7 @@ def expected_collectives(record: dict, t_cfg, d_cfg, replicated: bool) -> tuple[
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tp_ranks_emit_the_tp1_tokens_and_accepted_lengths_with_closed_form_collectives(tp_models, tmp_path, tp):
+def test_tp_ranks_emit_the_tp1_tokens_drafts_and_accepted_lengths_with_closed_form_collectives(tp_models, tmp_path, tp):
     root, prompts, models = tp_models
     jobs, keys = [], []
     for name, m in models.items():
@@ -125,9 +147,12 @@ def test_tp_ranks_emit_the_tp1_tokens_and_accepted_lengths_with_closed_form_coll
             m = models[name]
             if run == "mixed":  # same seeds, same samples: the full logits are gathered for sampled sequences
                 assert res["outputs"] == m["mixed"], (rank, name)
+                assert res["accepted"] == m["mixed_accepted"], (rank, name)
+                assert res["drafts"] == m["mixed_drafts"], (rank, name)  # real drafts, though almost all rejected
                 continue
             assert res["outputs"] == m["refs"], (rank, name, run)
             assert res["accepted"] == m["accepted"], (rank, name, run)
+            assert res["drafts"] == m["drafts"], (rank, name, run)  # the drafter's own drafts, under OracleDrafts
             for record in res["records"]:
                 want = expected_collectives(record, m["t_cfg"], m["d_cfg"], replicated=run == "replicated")
                 assert (record["calls"], record["bytes"]) == want, (rank, name, run, record)

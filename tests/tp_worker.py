@@ -5,8 +5,9 @@
 SPEC: {"timeout_s": s, "jobs": [{"checkpoint", "drafter": "sharded" | "replicated" | "none", "prompts",
 "params": [SamplingParams kwargs per prompt], "block_size", "oracle": reference outputs (optional: OracleDrafts),
 "die_after_steps": n (optional: rank 1 dies before its n-th verify)}]}.
-Each rank writes OUT_DIR/rank{r}.json: per job its outputs, accepted lengths and, per verify / draft
-call, the collectives it made. Errors print `error: ...` and exit 2, as the CLI does.
+Each rank writes OUT_DIR/rank{r}.json: per job its outputs, accepted lengths, the drafter's own drafts per
+draft call (what it proposed, even when OracleDrafts replaced them) and, per verify / draft call, the
+collectives it made. Errors print `error: ...` and exit 2, as the CLI does.
 """
 
 from __future__ import annotations
@@ -27,10 +28,26 @@ from dflash_trt.tp import init_tp, load_tp_backend
 torch.set_num_threads(1)
 
 
+class RecordedDrafts:
+    """Forwards to the backend and keeps what its drafter proposed in every draft call (`drafts`)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.drafts: list[list[list[int]]] = []  # per draft call, per sequence
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, seq_ids, last_tokens, num_drafts):
+        self.drafts.append(self.inner.draft(seq_ids, last_tokens, num_drafts))
+        return self.drafts[-1]
+
+
 class OracleDrafts:
     """Proposes the reference continuation `refs`, right for a varying number of tokens and then wrong, so
-    steps accept long blocks (a random drafter accepts nothing); the real drafter still runs first. The
-    pattern depends only on the sequence and its progress: TP=1 and every rank propose the same drafts."""
+    steps accept long blocks (a random drafter accepts nothing); the real drafter still runs first (wrap it
+    in RecordedDrafts to check its drafts). The pattern depends only on the sequence and its progress:
+    TP=1 and every rank propose the same drafts."""
 
     def __init__(self, inner, prompts: list[list[int]], refs: list[list[int]]):
         self.inner, self.prompts, self.refs = inner, prompts, refs
@@ -89,12 +106,14 @@ def main() -> int:
             mode = job.get("drafter", "sharded")
             backend = load_tp_backend(job["checkpoint"], tp, use_drafter=mode != "none", drafter_mode="sharded" if mode == "none" else mode,
                                       num_pages=256, page_size=4, block_size=job.get("block_size"))
+            backend = recorded = RecordedDrafts(backend)
             if job.get("oracle"):
                 backend = OracleDrafts(backend, job["prompts"], job["oracle"])
             counting = CountingBackend(backend, tp, job.get("die_after_steps"))
             params = [SamplingParams(**p) for p in job["params"]]
             outs = Generator(counting, max_batch=len(job["prompts"])).generate(job["prompts"], params)
-            results.append({"outputs": [o.output_ids for o in outs], "accepted": [o.accepted_lengths for o in outs], "records": counting.records})
+            results.append({"outputs": [o.output_ids for o in outs], "accepted": [o.accepted_lengths for o in outs],
+                            "drafts": recorded.drafts, "records": counting.records})
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
