@@ -1,7 +1,8 @@
 """Parse and validate Hugging Face `config.json` files for targets and DFlash drafters.
 
-Targets: LlamaForCausalLM (GQA, tied or untied embeddings, rope_scaling llama3/linear)
-and Qwen3ForCausalLM (per-head q/k RMSNorm, explicit head_dim).
+Targets: LlamaForCausalLM (GQA, tied or untied embeddings, rope_scaling llama3/linear),
+Qwen3ForCausalLM (per-head q/k RMSNorm, explicit head_dim) and GptOssForCausalLM (BF16/FP32
+weights: mixture of experts, attention sinks, alternating sliding/full layers, yarn RoPE).
 Drafters: z-lab's released DFlash format (`architectures: [DFlashDraftModel]`), see
 reference/dflash-peers.md §1. Every problem raises ConfigError naming the file and key.
 """
@@ -16,19 +17,27 @@ from typing import Any
 
 from .errors import ConfigError
 
-TARGET_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+TARGET_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "GptOssForCausalLM": "gpt_oss"}
+# The families `dflash-trt convert` writes (trtllm_format.TRTLLM_TARGET_ARCHITECTURES names them). gpt-oss runs in
+# the torch runtime only: TensorRT-LLM's engine path (tensorrt_llm/models) has no gpt-oss model to write for.
+CONVERTIBLE_TARGET_FAMILIES = ("llama", "qwen3")
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    type: str = "default"  # default | llama3 | linear
+    type: str = "default"  # default | llama3 | linear | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn only (transformers' _compute_yarn_parameters)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0  # cos and sin are multiplied by this
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,20 @@ class TargetConfig(TransformerConfig):
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all full
+    sliding_window: int | None = None
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head joins every softmax, then is dropped
+    # gpt-oss mixture of experts (num_experts = 0: a dense SwiGLU MLP). Each expert computes
+    # (clamp(up, ±limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def layer_window(self, layer: int) -> int | None:
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
 
 @dataclass(frozen=True)
@@ -176,6 +199,8 @@ class _Reader:
         factor = self.float("factor", src=params)
         if rope_type == "linear":
             return RopeConfig(theta=theta, type="linear", factor=factor)
+        if rope_type == "yarn":
+            return self._yarn(key, params, theta, factor)
         return RopeConfig(
             theta=theta,
             type="llama3",
@@ -184,6 +209,45 @@ class _Reader:
             high_freq_factor=self.float("high_freq_factor", src=params),
             original_max_position_embeddings=self.int("original_max_position_embeddings", src=params),
         )
+
+    def _yarn(self, key: str, params: dict[str, Any], theta: float, factor: float) -> RopeConfig:
+        if self.float("partial_rotary_factor", 1.0, src=params) != 1.0:
+            raise self.error(f"{key}.partial_rotary_factor", "partial rotary embeddings are not supported")
+        attention_factor = self.float("attention_factor", None, src=params)
+        if attention_factor is None:
+            # transformers: 0.1 * mscale * ln(factor) + 1, as a ratio when mscale and mscale_all_dim are both set
+            def get_mscale(scale: float, mscale: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = get_mscale(factor)
+        return RopeConfig(
+            theta=theta,
+            type="yarn",
+            factor=factor,
+            original_max_position_embeddings=self.int("original_max_position_embeddings", src=params),
+            beta_fast=self.float("beta_fast", 32.0, src=params) or 32.0,
+            beta_slow=self.float("beta_slow", 1.0, src=params) or 1.0,
+            truncate=self.bool("truncate", True, src=params),
+            attention_factor=attention_factor,
+        )
+
+    def layer_types(self, num_layers: int, default: list[str], sliding_window: int | None) -> tuple[str, ...]:
+        """`layer_types` (or `default` when absent), checked: one known type per layer, a window if any slides."""
+        layer_types = self.raw.get("layer_types")
+        if layer_types is None:
+            layer_types = default
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise self.error("layer_types", f"expected a list of {num_layers} entries (num_hidden_layers), got {layer_types!r}")
+        for t in layer_types:
+            if t not in ("full_attention", "sliding_attention"):
+                raise self.error("layer_types", f"unknown layer type {t!r}")
+        if "sliding_attention" in layer_types and sliding_window is None:
+            raise self.error("sliding_window", "layer_types has sliding_attention layers but sliding_window is not set")
+        return tuple(layer_types)
 
     def transformer_fields(self, architecture: str, qk_norm: bool) -> dict[str, Any]:
         act = self.raw.get("hidden_act", "silu")
@@ -252,6 +316,8 @@ def parse_target_config(raw: dict[str, Any], path: str | Path) -> TargetConfig:
     if family == "qwen3" and reader.bool("use_sliding_window", False):
         raise reader.error("use_sliding_window", "sliding-window attention in the target is not supported")
     fields = reader.transformer_fields(arch, qk_norm=family == "qwen3")
+    if family == "gpt_oss":
+        fields.update(_gpt_oss_fields(reader, fields["num_layers"]))
     cfg = TargetConfig(
         **fields,
         tie_word_embeddings=reader.bool("tie_word_embeddings", False),
@@ -263,6 +329,31 @@ def parse_target_config(raw: dict[str, Any], path: str | Path) -> TargetConfig:
             if token >= cfg.vocab_size:
                 raise reader.error(key, f"token id {token} >= vocab_size={cfg.vocab_size}")
     return cfg
+
+
+def _gpt_oss_fields(reader: _Reader, num_layers: int) -> dict[str, Any]:
+    """GptOssConfig's fields beyond the common ones, with its defaults (transformers' configuration_gpt_oss.py)."""
+    quant = reader.raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise reader.error("quantization_config", f"quantized gpt-oss checkpoints (quant_method {method!r}) are not supported; use BF16 weights")
+    num_experts = reader.int("num_local_experts")
+    top_k = reader.int("num_experts_per_tok")
+    if top_k > num_experts:
+        raise reader.error("num_experts_per_tok", f"{top_k} > num_local_experts={num_experts}")
+    sliding_window = reader.int("sliding_window", None)
+    # GptOssConfig's default: even layers slide, odd layers attend fully.
+    default_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    return dict(
+        attention_bias=reader.bool("attention_bias", True),
+        layer_types=reader.layer_types(num_layers, default_types, sliding_window),
+        sliding_window=sliding_window,
+        attention_sinks=True,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        swiglu_alpha=reader.float("swiglu_alpha", 1.702),
+        swiglu_limit=reader.float("swiglu_limit", 7.0),
+    )
 
 
 def load_drafter_config(directory: str | Path, architecture: str = DRAFTER_ARCHITECTURE) -> DrafterConfig:
@@ -306,19 +397,10 @@ def parse_drafter_config(raw: dict[str, Any], path: str | Path, architecture: st
 
     n = fields["num_layers"]
     sliding_window = reader.int("sliding_window", None)
-    layer_types = raw.get("layer_types")
-    if layer_types is None:
-        # Qwen3Config's rule: layers from max_window_layers up slide when use_sliding_window.
-        use_swa = reader.bool("use_sliding_window", False) and sliding_window is not None
-        first_sliding = reader.int("max_window_layers", n, minimum=0)
-        layer_types = ["sliding_attention" if use_swa and i >= first_sliding else "full_attention" for i in range(n)]
-    if not isinstance(layer_types, list) or len(layer_types) != n:
-        raise reader.error("layer_types", f"expected a list of {n} entries (num_hidden_layers), got {layer_types!r}")
-    for t in layer_types:
-        if t not in ("full_attention", "sliding_attention"):
-            raise reader.error("layer_types", f"unknown layer type {t!r}")
-    if "sliding_attention" in layer_types and sliding_window is None:
-        raise reader.error("sliding_window", "layer_types has sliding_attention layers but sliding_window is not set")
+    # Qwen3Config's rule when layer_types is absent: layers from max_window_layers up slide when use_sliding_window.
+    use_swa = reader.bool("use_sliding_window", False) and sliding_window is not None
+    first_sliding = reader.int("max_window_layers", n, minimum=0)
+    layer_types = reader.layer_types(n, ["sliding_attention" if use_swa and i >= first_sliding else "full_attention" for i in range(n)], sliding_window)
 
     causal = dflash.get("causal", raw.get("is_causal"))
     if causal is not None and not isinstance(causal, bool):
@@ -330,7 +412,7 @@ def parse_drafter_config(raw: dict[str, Any], path: str | Path, architecture: st
         mask_token_id=mask_token_id,
         target_layer_ids=tuple(ids) if ids is not None else (),
         num_target_layers=num_target_layers,
-        layer_types=tuple(layer_types),
+        layer_types=layer_types,
         sliding_window=sliding_window,
         causal_override=causal,
         draft_vocab_size=reader.int("draft_vocab_size", None),
@@ -382,5 +464,22 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> list[float]:
             else:
                 smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
                 out.append((1 - smooth) * f / rope.factor + smooth * f)
+        return out
+    if rope.type == "yarn":
+        # Interpolate (f / factor) the low frequencies, extrapolate (f) the high ones, a linear ramp between
+        # the dimensions that turn beta_slow and beta_fast times over the original context.
+        def correction_dim(rotations: float) -> float:
+            return head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+        low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        out = []
+        for i, f in enumerate(inv):
+            extrapolate = 1 - min(max((i - low) / (high - low), 0.0), 1.0)
+            out.append(f / rope.factor * (1 - extrapolate) + f * extrapolate)
         return out
     return inv

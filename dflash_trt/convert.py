@@ -23,7 +23,16 @@ from tqdm import tqdm
 
 from . import parallel
 from .checkpoint import SafetensorsCheckpoint, atomic_directory
-from .config import DrafterConfig, TargetConfig, TransformerConfig, check_pair, load_drafter_config, load_target_config
+from .config import (
+    CONVERTIBLE_TARGET_FAMILIES,
+    TARGET_ARCHITECTURES,
+    DrafterConfig,
+    TargetConfig,
+    TransformerConfig,
+    check_pair,
+    load_drafter_config,
+    load_target_config,
+)
 from .errors import CheckpointError, ConfigError
 from .quant import fp8_scale, kv_cache_scale, nvfp4_activation_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from .quant.nvfp4 import BLOCK
@@ -347,6 +356,13 @@ def convert(
         raise ConfigError("output directory already exists (pass --force to overwrite)", file=out)
     out_dtype = OUT_DTYPES[dtype]
     t_cfg = load_target_config(target_dir)
+    if TARGET_ARCHITECTURES[t_cfg.architecture] not in CONVERTIBLE_TARGET_FAMILIES:
+        convertible = sorted(a for a, f in TARGET_ARCHITECTURES.items() if f in CONVERTIBLE_TARGET_FAMILIES)
+        raise ConfigError(
+            f"{t_cfg.architecture} is not yet supported by `dflash-trt convert` (supported: {convertible}); "
+            "TensorRT-LLM's engine path has no model for it; the torch reference runtime (`dflash-trt generate`) runs it",
+            file=t_cfg.path, key="architectures",
+        )
     d_cfg: DrafterConfig | None = check_pair(t_cfg, load_drafter_config(drafter_dir)) if drafter_dir is not None else None
     for cfg in (t_cfg, d_cfg):
         if cfg is not None:

@@ -250,6 +250,10 @@ def apply_tp(model: nn.Module, tp: TPGroup) -> nn.Module:
     """Shard a TargetModel or DFlashDrafter (built for the full config) into rank `tp.rank`'s part, in place."""
     from .models.target import TargetModel
 
+    if isinstance(model, TargetModel) and (model.cfg.num_experts or model.cfg.attention_sinks):
+        # No shard rules yet for experts or per-head sinks (parallel.py): refuse rather than shard wrongly.
+        raise ConfigError(f"tensor parallelism is not supported for {model.cfg.architecture} targets (tp=1 only)",
+                          file=model.cfg.path, key="architectures")
     layers = model.model.layers if isinstance(model, TargetModel) else model.layers
     for layer in layers:
         _apply_tp_attention(layer.self_attn, tp)

@@ -94,7 +94,7 @@ CASES = {
     "drafter-architecture": ("drafter", lambda d: _edit_config(d, architectures=["EagleModel"]), "architectures", "config.json"),
     "target-architecture": ("target", lambda d: _edit_config(d, architectures=["GPT2LMHeadModel"]), "architectures", "config.json"),
     "target-missing-key": ("target", lambda d: _edit_config(d, num_hidden_layers=None), "num_hidden_layers", "config.json"),
-    "target-rope-type": ("target", lambda d: _edit_config(d, rope_scaling={"rope_type": "yarn", "factor": 2.0}, rope_parameters=None), "rope_scaling.rope_type", "config.json"),
+    "target-rope-type": ("target", lambda d: _edit_config(d, rope_scaling={"rope_type": "dynamic", "factor": 2.0}, rope_parameters=None), "rope_scaling.rope_type", "config.json"),
     "target-pickle-only": ("target", _pickle_only, "pickle", "target"),
     "target-bad-json": ("target", lambda d: (d / "config.json").write_text("{not json"), "not valid JSON", "config.json"),
     "target-missing-weight": ("target", lambda d: _edit_weights(d, lambda t: t.pop("model.norm.weight")), "model.norm.weight", "target"),

@@ -42,7 +42,10 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope.attention_factor != 1.0:  # yarn scales cos and sin (so q·k by its square)
+            cos, sin = cos * self.rope.attention_factor, sin * self.rope.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -64,9 +67,9 @@ class MLP(nn.Module):
 
 
 class AttentionProjections(nn.Module):
-    """q/k/v/o projections and the optional per-head q/k RMSNorm (Qwen3), as HF names them."""
+    """q/k/v/o projections, the optional per-head q/k RMSNorm (Qwen3) and attention sinks (gpt-oss), as HF names them."""
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, sinks: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
@@ -79,6 +82,7 @@ class AttentionProjections(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if sinks else None  # [nh] logits, see paged_attention
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, hidden] → q [T, nh, hd], k and v [T, nkv, hd], normed and rotated."""
@@ -119,11 +123,14 @@ def paged_attention(
     batch: AttentionBatch,
     causal: bool,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a batch's new queries over their sequences' pooled keys.
 
     q: [T, nh, hd]; k_pool, v_pool: [slots, nkv, hd] (one layer); returns [T, nh * hd].
     The new tokens' own K/V must already be written to the pool.
+    sinks: [nh] (gpt-oss): a per-head logit joins each softmax's denominator with no value of its own,
+    so a query may attend to "nothing"; the probabilities of real keys then sum to less than 1.
     """
     T, nh, hd = q.shape
     B, Lk = batch.kv_slots.shape
@@ -131,5 +138,14 @@ def paged_attention(
     qp = q[batch.q_index].transpose(1, 2)  # [B, nh, Lq, hd]
     k = k_pool[batch.kv_slots.reshape(-1)].view(B, Lk, nkv, hd).transpose(1, 2)
     v = v_pool[batch.kv_slots.reshape(-1)].view(B, Lk, nkv, hd).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=batch.mask(causal, window), enable_gqa=nh != nkv)
+    mask = batch.mask(causal, window)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=nh != nkv)
+    else:
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        scores = (qp @ k.transpose(-1, -2)).float() * hd**-0.5  # [B, nh, Lq, Lk]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.float().view(1, nh, 1, 1).expand(B, nh, scores.shape[2], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        out = probs.to(v.dtype) @ v
     return out.transpose(1, 2)[batch.q_valid].reshape(T, nh * hd)

@@ -1,4 +1,4 @@
-"""Target model (Llama 3.x, Qwen3) in plain torch over a paged KV cache.
+"""Target model (Llama 3.x, Qwen3, gpt-oss) in plain torch over a paged KV cache.
 
 Parameter names equal Hugging Face's, so a checkpoint loads without a name map.
 Besides logits, the forward returns the DFlash context features: the output of each
@@ -18,21 +18,23 @@ from ..checkpoint import load_module
 from ..config import TargetConfig, load_target_config
 from ..kv_cache import AttentionBatch, PagedKVCache
 from .layers import MLP, AttentionProjections, RMSNorm, Rotary, paged_attention
+from .moe import MoE
 
 
 class TargetLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, index: int):
         super().__init__()
+        self.window = cfg.layer_window(index)  # None: full attention
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = AttentionProjections(cfg)
+        self.self_attn = AttentionProjections(cfg, sinks=cfg.attention_sinks)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
 
     def forward(self, x, cos, sin, k_pool, v_pool, batch: AttentionBatch):
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
         k_pool[batch.write_slots] = k.to(k_pool.dtype)
         v_pool[batch.write_slots] = v.to(v_pool.dtype)
-        attn = paged_attention(q, k_pool, v_pool, batch, causal=True)
+        attn = paged_attention(q, k_pool, v_pool, batch, causal=True, window=self.window, sinks=self.self_attn.sinks)
         x = x + self.self_attn.o_proj(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -41,7 +43,7 @@ class _Backbone(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TargetLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TargetLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import TARGET_ARCHITECTURES
+from ..config import CONVERTIBLE_TARGET_FAMILIES, TARGET_ARCHITECTURES
 from ..errors import ConfigError
 
-KNOWN_ARCHITECTURES = {**{a: "converter" for a in TARGET_ARCHITECTURES}, "GptOssForCausalLM": "planned"}
+KNOWN_ARCHITECTURES = {a: "converter" if f in CONVERTIBLE_TARGET_FAMILIES else "planned" for a, f in TARGET_ARCHITECTURES.items()}
 QUANTS = ("none", "fp8", "nvfp4")
 DTYPES = ("bf16", "fp16")
 TP_SIZES = (1, 2, 4, 8)
@@ -134,7 +134,7 @@ def build_commands(cfg: BuildConfig, out: str | None = None, plugin_lib: str | N
     if KNOWN_ARCHITECTURES[cfg.target_architecture] != "converter":
         raise ConfigError(
             f"architecture {cfg.target_architecture} is not yet supported by `dflash-trt convert` "
-            f"(supported: {sorted(TARGET_ARCHITECTURES)}); this config is valid, its build is not possible yet",
+            f"(supported: {sorted(a for a, s in KNOWN_ARCHITECTURES.items() if s == 'converter')}); this config is valid, its build is not possible yet",
             file=cfg.path, key="target.architecture",
         )
     root = Path(out or cfg.output_dir)

@@ -1,0 +1,168 @@
+"""gpt-oss as a target: the torch reference against transformers' GptOssForCausalLM (MoE with top-k softmax
+routing, clamped SwiGLU experts, attention sinks, alternating sliding/full layers, yarn RoPE), and the DFlash
+loop lossless on it."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import transformers
+from conftest import _perturb_norms, write_drafter
+from test_lossless import OracleDrafts
+
+from dflash_trt.config import load_target_config
+from dflash_trt.convert import convert
+from dflash_trt.errors import ConfigError
+from dflash_trt.models.target import load_target
+from dflash_trt.runtime import Generator
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.torch_backend import TorchBackend
+from dflash_trt.tp import apply_tp
+
+TINY_GPT_OSS = dict(
+    hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    vocab_size=96, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
+    rms_norm_eps=1e-5, eos_token_id=2, bos_token_id=1, initializer_range=0.15,
+)
+# original_max_position_embeddings * factor = max_position_embeddings, as in the released configs
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 16}
+
+
+def write_gpt_oss(path, seed: int = 0, **overrides):
+    """A random GptOssForCausalLM saved by transformers, with every parameter that init leaves at 0 or 1 (norms,
+    expert biases) randomised and a low swiglu_limit, so clamping, sinks and biases all change the output."""
+    kwargs = dict(TINY_GPT_OSS, rope_parameters=dict(YARN, truncate=False), swiglu_limit=1.5)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**kwargs)).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        _perturb_norms(params, gen)
+        for name, t in params.items():
+            if name.endswith(("_bias", "sinks")):
+                t.copy_(torch.randn(t.shape, generator=gen))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+TARGETS = {
+    "released-layout": dict(),  # sliding, full, sliding, full; yarn without truncation (as openai/gpt-oss-*)
+    "full-first-truncated-yarn-tied": dict(
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"], sliding_window=5,
+        rope_parameters=dict(YARN, truncate=True), tie_word_embeddings=True, num_experts_per_tok=3,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_gpt_oss_logits_and_features_equal_transformers_batched_and_paged(tmp_path, name):
+    path = write_gpt_oss(tmp_path / name, seed=3, **TARGETS[name])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_target(path)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 23, 14)]  # two longer than the window
+    capture = (0, 1, 3)  # 3 is the last layer: HF's hidden_states[-1] is final-normed
+    with torch.no_grad():
+        refs = [hf(s[None], output_hidden_states=True) for s in seqs]
+    # Three sequences batched over 4-token pages, in two chunks each (prefill, then a multi-token verify),
+    # so the window and the sinks apply to cached keys as well as to new ones.
+    cache = ours.new_cache(num_pages=32, page_size=4)
+    for i in range(3):
+        cache.add_sequence(i)
+    cuts = [3, 13, 12]
+    with torch.no_grad():
+        logits, feats = [], []
+        for lo, hi in (([0, 0, 0], cuts), (cuts, [len(s) for s in seqs])):
+            batch = cache.prepare([0, 1, 2], [h - l for l, h in zip(lo, hi)])
+            lg, ft = ours(torch.cat([s[l:h] for s, l, h in zip(seqs, lo, hi)]), batch, cache, capture)
+            for i, n in enumerate(batch.q_lens):
+                cache.set_length(i, cache.lengths[i] + n)
+            logits.append(lg.split(batch.q_lens))
+            feats.append(ft.split(batch.q_lens))
+    for i, ref in enumerate(refs):
+        want_feats = torch.cat([ref.hidden_states[l + 1][0] for l in capture], dim=-1)
+        torch.testing.assert_close(torch.cat([logits[0][i], logits[1][i]]), ref.logits[0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.cat([feats[0][i], feats[1][i]]), want_feats, atol=2e-5, rtol=1e-4)
+
+
+def test_gpt_oss_features_are_sensitive_to_sinks_window_and_clamp(tmp_path):
+    """The reference checks above mean something only if each gpt-oss ingredient changes the output here."""
+    path = write_gpt_oss(tmp_path / "t", seed=3)
+    base = load_target(path)
+    tokens = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(0))
+
+    def run(model):
+        cache = model.new_cache(8, 4)
+        cache.add_sequence(0)
+        with torch.no_grad():
+            return model(tokens, cache.prepare([0], [20]), cache)[0]
+
+    want = run(base)
+    for change in ("sinks", "window", "limit"):
+        model = load_target(path)
+        for layer in model.model.layers:
+            if change == "sinks":
+                layer.self_attn.sinks.fill_(-1e4)  # exp(-1e4) = 0: plain softmax
+            elif change == "window":
+                layer.window = None
+            else:
+                layer.mlp.experts.limit = 1e4
+        assert (run(model) - want).abs().max() > 1e-3, change
+
+
+def _hf_greedy(target_dir, prompts, max_new) -> list[list[int]]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def lossless_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt_oss")
+    target_dir = write_gpt_oss(root / "target", seed=5)
+    drafter_dir = write_drafter(root / "drafter", target_dir, num_layers=2, block_size=16, seed=6, target_layer_ids=[1, 2])
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 96) for _ in range(rng.randrange(3, 21))] for _ in range(6)]
+    return target_dir, drafter_dir, prompts, _hf_greedy(target_dir, prompts, 24), load_target(target_dir)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("drafts", ["random-drafter", "oracle"])
+def test_speculative_greedy_equals_transformers_greedy_on_gpt_oss(lossless_setup, batch, block, drafts):
+    """24 new tokens past prompts of 3..20: every sliding window moves, also across rolled-back blocks.
+    The random drafter rejects almost everything; the oracle (the real drafter runs, then the true
+    continuation is proposed, corrupted at a random point) drives long acceptances and partial rollbacks."""
+    from dflash_trt.models.drafter import load_drafter
+
+    target_dir, drafter_dir, prompts, refs, target = lossless_setup
+    backend = TorchBackend(target, load_drafter(drafter_dir, target.cfg), num_pages=256, page_size=4, block_size=block)
+    if drafts == "oracle":
+        backend = OracleDrafts(backend, prompts, refs, seed=block + batch)
+    outs = Generator(backend, max_batch=batch).generate(prompts, SamplingParams(max_new_tokens=24))
+    assert [o.output_ids for o in outs] == refs
+    if drafts == "oracle":
+        assert max(n for o in outs for n in o.accepted_lengths) >= block - 1
+    assert backend.target_cache.num_free_pages == backend.target_cache.num_pages
+    assert backend.drafter_cache.num_free_pages == backend.drafter_cache.num_pages
+
+
+def test_gpt_oss_unsupported_paths_fail_with_config_errors(tmp_path, lossless_setup):
+    target_dir, drafter_dir, _, _, target = lossless_setup
+    with pytest.raises(ConfigError, match="not yet supported by `dflash-trt convert`") as e:
+        convert(target_dir, drafter_dir, tmp_path / "out")
+    assert e.value.key == "architectures" and not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="tensor parallelism is not supported"):
+        apply_tp(target, None)
+    raw = json.loads((target_dir / "config.json").read_text())
+    quantized = tmp_path / "mxfp4"
+    quantized.mkdir()
+    (quantized / "config.json").write_text(json.dumps({**raw, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ConfigError, match="mxfp4") as e:
+        load_target_config(quantized)
+    assert e.value.key == "quantization_config"
