@@ -180,3 +180,34 @@ def write_eagle(path: Path, target_dir: Path, block_size: int = 8, seed: int = 0
         t.copy_(1 + 0.2 * torch.randn(t.shape, generator=gen) if "norm" in name else 0.15 * torch.randn(t.shape, generator=gen))
     save_file(state, str(path / "model.safetensors"))
     return path
+
+
+def run_paged_in_two_chunks(model, seqs: list[torch.Tensor], cuts: list[int], capture: tuple[int, ...]):
+    """Our target over `seqs` batched on a paged cache of 4-token pages, in two chunks each (a prefill up to
+    `cuts`, then a multi-token "verify" of the rest), so paging, varlen batching and cached keys all matter.
+    Returns per sequence (logits [n, V], captured features [n, len(capture)·H])."""
+    cache = model.new_cache(num_pages=32, page_size=4)
+    ids = list(range(len(seqs)))
+    for i in ids:
+        cache.add_sequence(i)
+    logits, feats = [], []
+    with torch.no_grad():
+        for lo, hi in (([0] * len(seqs), cuts), (cuts, [len(s) for s in seqs])):
+            batch = cache.prepare(ids, [h - l for l, h in zip(lo, hi)])
+            lg, ft = model(torch.cat([s[l:h] for s, l, h in zip(seqs, lo, hi)]), batch, cache, capture)
+            for i, n in enumerate(batch.q_lens):
+                cache.set_length(i, cache.lengths[i] + n)
+            logits.append(lg.split(batch.q_lens))
+            feats.append(ft.split(batch.q_lens))
+    return [(torch.cat([logits[0][i], logits[1][i]]), torch.cat([feats[0][i], feats[1][i]])) for i in ids]
+
+
+def assert_equals_transformers(hf, ours, seqs: list[torch.Tensor], cuts: list[int], capture: tuple[int, ...]) -> None:
+    """Logits and features at `capture` equal transformers' (HF's hidden_states[l + 1] is layer l's output;
+    the last one is final-normed), fp32."""
+    with torch.no_grad():
+        refs = [hf(s[None], output_hidden_states=True) for s in seqs]
+    for (got_logits, got_feats), ref in zip(run_paged_in_two_chunks(ours, seqs, cuts, capture), refs):
+        want_feats = torch.cat([ref.hidden_states[l + 1][0] for l in capture], dim=-1)
+        torch.testing.assert_close(got_logits, ref.logits[0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got_feats, want_feats, atol=2e-5, rtol=1e-4)

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 import transformers
-from conftest import _perturb_norms, write_drafter
+from conftest import _perturb_norms, assert_equals_transformers, write_drafter
 from test_lossless import OracleDrafts
 
 from dflash_trt.config import load_target_config
@@ -64,29 +64,9 @@ def test_gpt_oss_logits_and_features_equal_transformers_batched_and_paged(tmp_pa
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = load_target(path)
     gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 23, 14)]  # two longer than the window
-    capture = (0, 1, 3)  # 3 is the last layer: HF's hidden_states[-1] is final-normed
-    with torch.no_grad():
-        refs = [hf(s[None], output_hidden_states=True) for s in seqs]
-    # Three sequences batched over 4-token pages, in two chunks each (prefill, then a multi-token verify),
-    # so the window and the sinks apply to cached keys as well as to new ones.
-    cache = ours.new_cache(num_pages=32, page_size=4)
-    for i in range(3):
-        cache.add_sequence(i)
-    cuts = [3, 13, 12]
-    with torch.no_grad():
-        logits, feats = [], []
-        for lo, hi in (([0, 0, 0], cuts), (cuts, [len(s) for s in seqs])):
-            batch = cache.prepare([0, 1, 2], [h - l for l, h in zip(lo, hi)])
-            lg, ft = ours(torch.cat([s[l:h] for s, l, h in zip(seqs, lo, hi)]), batch, cache, capture)
-            for i, n in enumerate(batch.q_lens):
-                cache.set_length(i, cache.lengths[i] + n)
-            logits.append(lg.split(batch.q_lens))
-            feats.append(ft.split(batch.q_lens))
-    for i, ref in enumerate(refs):
-        want_feats = torch.cat([ref.hidden_states[l + 1][0] for l in capture], dim=-1)
-        torch.testing.assert_close(torch.cat([logits[0][i], logits[1][i]]), ref.logits[0], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(torch.cat([feats[0][i], feats[1][i]]), want_feats, atol=2e-5, rtol=1e-4)
+    # two sequences longer than the window, so the window and the sinks apply to cached keys as well as new ones
+    seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 23, 14)]
+    assert_equals_transformers(hf, ours, seqs, cuts=[3, 13, 12], capture=(0, 1, 3))
 
 
 def test_gpt_oss_features_are_sensitive_to_sinks_window_and_clamp(tmp_path):

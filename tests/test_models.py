@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import write_drafter, write_target
+from conftest import assert_equals_transformers, write_drafter, write_target
 from naive_dflash import naive_block_logits
 
 from dflash_trt.models.drafter import load_drafter
@@ -32,31 +32,8 @@ def test_target_logits_and_features_equal_transformers_batched_and_paged(tmp_pat
     ours = load_target(path)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 19, 12)]
-    capture = (0, 2, 3)  # 3 is the last layer: HF's hidden_states[-1] is final-normed
-    with torch.no_grad():
-        refs = [hf(s[None], output_hidden_states=True) for s in seqs]
-    # Three sequences in one batch over a paged cache with 4-token pages, in two chunks each
-    # (a prefill, then a multi-token "verify"), so paging, varlen batching and cached keys all matter.
-    cache = ours.new_cache(num_pages=32, page_size=4)
-    for i in range(3):
-        cache.add_sequence(i)
-    cuts = [3, 11, 12]
-    with torch.no_grad():
-        logits, feats = [], []
-        for lo, hi in (([0, 0, 0], cuts), (cuts, [len(s) for s in seqs])):
-            batch = cache.prepare([0, 1, 2], [h - l for l, h in zip(lo, hi)])
-            tokens = torch.cat([s[l:h] for s, l, h in zip(seqs, lo, hi)])
-            lg, ft = ours(tokens, batch, cache, capture)
-            for i, n in enumerate(batch.q_lens):
-                cache.set_length(i, cache.lengths[i] + n)
-            logits.append(lg.split(batch.q_lens))
-            feats.append(ft.split(batch.q_lens))
-    for i, ref in enumerate(refs):
-        got_logits = torch.cat([logits[0][i], logits[1][i]])
-        got_feats = torch.cat([feats[0][i], feats[1][i]])
-        want_feats = torch.cat([ref.hidden_states[l + 1][0] for l in capture], dim=-1)
-        torch.testing.assert_close(got_logits, ref.logits[0], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(got_feats, want_feats, atol=2e-5, rtol=1e-4)
+    # 3 is the last layer: HF's hidden_states[-1] is final-normed
+    assert_equals_transformers(hf, ours, seqs, cuts=[3, 11, 12], capture=(0, 2, 3))
 
 
 DRAFTERS = {
