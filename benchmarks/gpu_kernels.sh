@@ -9,6 +9,15 @@ if [[ "${1:-}" == "--dry-run" ]]; then
   python benchmarks/gpu_kernels.py --dry-run
 else
   python -c "import torch, triton; assert torch.cuda.is_available(); print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+  # The lent GPU machine has torch and Triton but maybe not safetensors or pytest, and no network: install the
+  # wheels carried with the working tree (make them here first, ~1.5 MB:
+  #   pip download --no-deps -d wheels safetensors tqdm pytest iniconfig pluggy packaging
+  # and pass carry=["wheels"] to the device call).
+  if ! python -c "import safetensors, tqdm, pytest" 2>/dev/null; then
+    WHEELS="${DFLASH_WHEELS:-wheels}"
+    [[ -d "$WHEELS" ]] || { echo "safetensors/tqdm/pytest missing and no $WHEELS/ to install them from (see the comment above)" >&2; exit 2; }
+    pip install -q --no-index --find-links "$WHEELS" safetensors tqdm pytest
+  fi
   DFLASH_KERNELS=auto python -m pytest -q tests/test_kernels.py
   python benchmarks/gpu_kernels.py
 fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -131,6 +132,8 @@ def test_greedy_accept_equals_reference():
     assert int(got[0].abs().sum()) == 0 and torch.equal(got[1], args[2][:, 0]) and torch.equal(got[2], args[3] + 1)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None and torch.cuda.is_available(),
+                    reason="the tiny target is written by transformers, which the lent GPU machine lacks (CPU CI has it)")
 @pytest.mark.parametrize("sliding", [False, True])
 def test_drafter_drafts_the_same_tokens_on_the_triton_path(tiny_dirs, tmp_path, monkeypatch, sliding):
     from dflash_trt.torch_backend import load_torch_backend
