@@ -409,3 +409,28 @@ def test_serve_cli_rejects_bad_arguments_with_exit_code_2(tiny_dirs, tmp_path, c
     assert main(["serve", "--target", str(target)]) == 2 and "--drafter" in capsys.readouterr().err
     assert main(["serve", "--target", str(tmp_path / "missing"), "--no-drafter"]) == 2
     assert main(["serve", "--target", str(target), "--no-drafter", "--max-batch", "0"]) == 2
+
+
+def test_a_converted_checkpoint_serves_the_same_tokens(tiny_dirs, tmp_path, reference, capsys):
+    """--checkpoint DIR (dflash-trt convert --tp 1, fp32: exact) serves what the original target decodes."""
+    import argparse
+
+    from dflash_trt.cli import main
+    from dflash_trt.convert import convert
+    from dflash_trt.serve import _model_args, _resolve_dirs
+
+    target, drafter = tiny_dirs
+    ckpt = tmp_path / "ckpt"
+    convert(target, drafter, ckpt, dtype="fp32", progress=False, log=lambda m: None)
+    parser = argparse.ArgumentParser()
+    _model_args(parser)
+    args = parser.parse_args(["--checkpoint", str(ckpt)])
+    _resolve_dirs(args)
+    assert (args.target, args.drafter, args.tokenizer, args.model_name) == (str(ckpt / "target"), str(ckpt / "drafter"), str(ckpt), "ckpt")
+    model = load_model(args.target, args.drafter, tokenizer_dir=args.tokenizer, max_model_len=MAX_MODEL_LEN)
+    with LiveServer(Server(model, "tiny", default_max_tokens=32)) as live, httpx.Client(base_url=live.url, timeout=TIMEOUT) as c:
+        ids = live.server.tokenizer.encode(PROMPTS[0])
+        r = c.post("/v1/completions", json={**GREEDY, "prompt": PROMPTS[0], "max_tokens": 20})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == reference(ids, 20)
+    assert main(["serve", "--checkpoint", str(ckpt), "--target", str(target)]) == 2 and "--checkpoint" in capsys.readouterr().err
+    assert main(["serve", "--no-drafter"]) == 2 and "--target" in capsys.readouterr().err

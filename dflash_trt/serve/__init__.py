@@ -10,7 +10,9 @@ from pathlib import Path
 
 
 def _model_args(p) -> None:
-    p.add_argument("--target", required=True, help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--target", help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--checkpoint", help="instead of --target/--drafter: the output of dflash-trt convert --tp 1 "
+                   "(DIR/target, DIR/drafter, tokenizer in DIR)")
     p.add_argument("--drafter", help="DFlash drafter directory (released z-lab format)")
     p.add_argument("--drafter-type", choices=["dflash", "eagle3"], default="dflash")
     p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
@@ -25,6 +27,21 @@ def _model_args(p) -> None:
     p.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
     p.add_argument("--max-verify-tokens", type=int, help="at most this many tokens per verify pass over the batch: blocks shrink "
                    "(down to plain decoding) as concurrency grows (default: no limit)")
+
+
+def _resolve_dirs(args) -> None:
+    """--checkpoint DIR stands for --target DIR/target --drafter DIR/drafter --tokenizer DIR."""
+    from ..errors import ConfigError
+
+    if args.checkpoint:
+        if args.target or args.drafter:
+            raise ConfigError("--checkpoint holds the target and the drafter: drop --target / --drafter", key="--checkpoint")
+        ckpt = Path(args.checkpoint)
+        args.target, args.drafter = str(ckpt / "target"), str(ckpt / "drafter")
+        args.tokenizer = args.tokenizer or str(ckpt)
+        args.model_name = args.model_name or ckpt.resolve().name
+    elif not args.target:
+        raise ConfigError("pass --target DIR (Hugging Face), or --checkpoint DIR (the output of dflash-trt convert)", key="--target")
 
 
 def _drafter_dir(args) -> str | None:
@@ -52,6 +69,7 @@ def cmd_serve(args) -> int:
     from .engine import load_model
     from .server import Server, run
 
+    _resolve_dirs(args)
     _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens", "threads", "max-verify-tokens")
     if args.max_queue < 0:
         from ..errors import ConfigError
@@ -75,6 +93,7 @@ def cmd_serve(args) -> int:
 def cmd_triton_repo(args) -> int:
     from .triton_repo import write_repository
 
+    _resolve_dirs(args)
     _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens", "max-verify-tokens")
     out = write_repository(
         args.out, target=args.target, drafter=_drafter_dir(args), model_name=args.model_name or "dflash",

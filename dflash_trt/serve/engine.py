@@ -215,7 +215,7 @@ def load_model(
         worst_block = block_size or 32  # released drafters use 16; one spare page per request at most
         kv_pages = max_batch * -(-(max_model_len + worst_block) // page_size)
     backend = load_torch_backend(target_dir, drafter_dir, DTYPES[dtype], "cpu", kv_pages, page_size, block_size, drafter_type)
-    eos = generation_eos_ids(target_dir, tokenizer)
+    eos = generation_eos_ids(target_dir, tokenizer, tokenizer_dir)
     gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, use_drafter=drafter_dir is not None, max_seq_len=max_model_len,
                     max_verify_tokens=max_verify_tokens)
     return LoadedModel(gen, tokenizer, max_model_len, backend.block_size, drafter_dir)
