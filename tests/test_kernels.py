@@ -18,6 +18,7 @@ from dflash_trt.kernels import accept_kernel as accept_triton  # noqa: E402
 from dflash_trt.kernels import block_attention_kernel as attn_triton  # noqa: E402
 from dflash_trt.kernels import kv_inject_kernel as inject_triton  # noqa: E402
 from dflash_trt.kernels.reference import accept_reference, block_attention_reference, kv_inject_reference, to_cache  # noqa: E402
+from dflash_trt.errors import ConfigError  # noqa: E402
 from dflash_trt.kv_cache import PagedKVCache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,5 +173,5 @@ def test_switch_picks_triton_on_cuda_only_in_auto_mode(monkeypatch):
     monkeypatch.setenv("DFLASH_KERNELS", "triton")
     assert kernels.use_triton("cpu")
     monkeypatch.setenv("DFLASH_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="DFLASH_KERNELS"):
+    with pytest.raises(ConfigError, match="DFLASH_KERNELS"):
         kernels.use_triton("cpu")

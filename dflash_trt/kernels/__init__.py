@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ..errors import ConfigError
 from .reference import accept_reference, block_attention_reference, kv_inject_reference
 
 MODES = ("auto", "triton", "torch")
@@ -20,7 +21,7 @@ MODES = ("auto", "triton", "torch")
 def mode() -> str:
     value = os.environ.get("DFLASH_KERNELS", "auto").lower()
     if value not in MODES:
-        raise ValueError(f"DFLASH_KERNELS={value!r}: expected one of {', '.join(MODES)}")
+        raise ConfigError(f"{value!r} is not one of {', '.join(MODES)}", key="DFLASH_KERNELS (environment)")
     return value
 
 
