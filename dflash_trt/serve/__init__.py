@@ -11,8 +11,8 @@ from pathlib import Path
 
 def _model_args(p) -> None:
     p.add_argument("--target", help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
-    p.add_argument("--checkpoint", help="instead of --target/--drafter: the output of dflash-trt convert --tp 1 "
-                   "(DIR/target, DIR/drafter, tokenizer in DIR)")
+    p.add_argument("--checkpoint", help="instead of --target/--drafter: the output of dflash-trt convert (DIR/target, DIR/drafter, "
+                   "tokenizer in DIR); one sharded for tp N serves as `mpirun -n N dflash-trt serve --checkpoint DIR`")
     p.add_argument("--drafter", help="DFlash drafter directory (released z-lab format)")
     p.add_argument("--drafter-type", choices=["dflash", "eagle3"], default="dflash")
     p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
@@ -66,6 +66,7 @@ def _positive(args, *names: str) -> None:
 def cmd_serve(args) -> int:
     import torch
 
+    from ..tp import launched_world_size
     from .engine import load_model
     from .server import Server, run
 
@@ -77,6 +78,10 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"must be >= 0, got {args.max_queue}", key="--max-queue")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if launched_world_size() > 1:
+        from .followers import serve_tp
+
+        return serve_tp(args)
     model = load_model(
         args.target, _drafter_dir(args), tokenizer_dir=args.tokenizer, drafter_type=args.drafter_type, dtype=args.dtype,
         max_batch=args.max_batch, max_model_len=args.max_model_len, kv_pages=args.kv_pages, page_size=args.page_size,
@@ -113,6 +118,9 @@ def register_cli(sub) -> None:
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --max-batch; more get 429")
     s.add_argument("--threads", type=int, help="torch CPU threads")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--tp-drafter", choices=["sharded", "replicated"], default="sharded",
+                   help="sharded --checkpoint under mpirun: shard the drafter like the target, or run it whole on every rank")
+    s.add_argument("--tp-timeout", type=float, default=300.0, help="seconds a rank waits for the others before failing")
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (Python backend, decoupled streaming)")

@@ -11,6 +11,10 @@ The sink is called on the engine thread once per step. The HTTP server's sink fo
 events to its asyncio loop (`loop.call_soon_threadsafe`); the Triton model's sink sends
 responses directly. Text is produced by `IncrementalDetokenizer`, which also applies `stop`
 strings; it runs wherever the sink's consumer runs.
+
+Under tensor parallelism (`mpirun -n N dflash-trt serve --checkpoint DIR`) rank 0's EngineCore
+also publishes, at each step boundary, the submissions and cancellations it applied and whether
+it steps; the other ranks replay them on their own Generators (followers.py).
 """
 
 from __future__ import annotations
@@ -20,12 +24,19 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ..errors import DFlashError
 from ..runtime import Generator, RequestOutput
 from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..tp import TPGroup
+    from .followers import StepBroadcast
 
 
 class EngineStepError(DFlashError):
@@ -66,8 +77,10 @@ class EngineCore:
     """Runs `generator` on a daemon thread; `submit` / `cancel` are safe from any thread."""
 
     def __init__(self, generator: Generator, sink: Callable[[StepEvents], None], idle_poll_s: float = 0.05,
-                 on_idle: Callable[[], None] | None = None):
+                 on_idle: Callable[[], None] | None = None, broadcast: StepBroadcast | None = None):
         self.generator = generator
+        self.broadcast = broadcast  # TP rank 0: the followers replay what this engine applies
+        self._ops: list[tuple] = []  # applied since the last publish (engine thread only)
         self.sink = sink
         self.idle_poll_s = idle_poll_s
         self.on_idle = on_idle  # called on the engine thread about every idle_poll_s while there is work or not
@@ -125,16 +138,23 @@ class EngineCore:
         kind, request = msg
         gen = self.generator
         if kind == "submit":
+            params = request.params
+            if self.broadcast is not None and params.seed is None:  # the seed Generator.submit would draw, drawn here once for every rank
+                params = replace(params, seed=int(torch.randint(0, 2**62, ()).item()))
             try:
-                request.seq_id = gen.submit(request.prompt_ids, request.params, on_token=self._on_token)
-            except DFlashError as e:
+                request.seq_id = gen.submit(request.prompt_ids, params, on_token=self._on_token)
+            except DFlashError as e:  # refused by a check every rank would make alike: nothing to replay
                 events.errors[request] = e
                 return
             self._live[request.seq_id] = request
+            if self.broadcast is not None:
+                self._ops.append(("submit", request.seq_id, request.prompt_ids, params))
         elif kind == "cancel":
             if request.seq_id is not None and self._live.get(request.seq_id) is request:
                 del self._live[request.seq_id]
                 events.finished[request] = gen.cancel(request.seq_id)  # None if it was still waiting
+                if self.broadcast is not None:
+                    self._ops.append(("cancel", request.seq_id))
 
     def _on_token(self, seq_id: int, token: int) -> None:
         request = self._live.get(seq_id)
@@ -149,6 +169,8 @@ class EngineCore:
                 self._drain(events, block=not gen.has_work)
                 if self._stop.is_set():
                     break
+                if self.broadcast is not None and not self._publish(events):
+                    break
                 if gen.has_work:
                     start = time.perf_counter()
                     try:
@@ -157,6 +179,10 @@ class EngineCore:
                         traceback.print_exc()
                         outputs = []
                         self._fail_all(events, e)
+                        if self.broadcast is not None:  # the ranks may have stopped at different collectives: no retry
+                            self.fatal = e
+                            self.sink(events)
+                            break
                     events.step_s = time.perf_counter() - start
                     self.steps += 1
                     for out in outputs:
@@ -173,6 +199,26 @@ class EngineCore:
             self.fatal = e
             traceback.print_exc()
             raise
+        finally:
+            if self.broadcast is not None and self.fatal is None:
+                self.broadcast.shutdown()
+
+    def _publish(self, events: StepEvents) -> bool:
+        """TP rank 0: send this boundary's operations to the followers (when there are any, when it steps, or
+        as a heartbeat while idle). False when a follower is gone: its requests have failed, the engine stops."""
+        gen = self.generator
+        if not (self._ops or gen.has_work or self.broadcast.heartbeat_due()):
+            return True
+        ops, self._ops = self._ops, []
+        try:
+            self.broadcast.publish(ops, step=gen.has_work)
+        except DFlashError as e:
+            traceback.print_exc()
+            self._fail_all(events, e)
+            self.fatal = e
+            self.sink(events)
+            return False
+        return True
 
     def _fail_all(self, events: StepEvents, error: Exception) -> None:
         for seq_id, request in list(self._live.items()):
@@ -194,28 +240,44 @@ class LoadedModel:
     max_model_len: int  # prompt + output tokens per request
     block_size: int  # verify block size (1 without a drafter)
     drafter: str | None
+    broadcast: StepBroadcast | None = None  # TP rank 0: where its engine publishes each step for the other ranks
 
 
 def load_model(
     target_dir: str, drafter_dir: str | None, *, tokenizer_dir: str | None = None, drafter_type: str = "dflash",
     dtype: str = "fp32", max_batch: int = 8, max_model_len: int | None = 2048, kv_pages: int | None = None,
     page_size: int = 16, block_size: int | None = None, max_verify_tokens: int | None = None,
+    tp: TPGroup | None = None, tp_drafter: str = "sharded",
 ) -> LoadedModel:
     """Load target (+ drafter) and tokenizer the way `dflash-trt generate` does. Without `kv_pages`
-    the pool holds `max_batch` requests of `max_model_len` tokens each."""
+    the pool holds `max_batch` requests of `max_model_len` tokens each. With `tp` (target_dir and
+    drafter_dir inside one `dflash-trt convert --tp N` directory) each rank loads its own shards; rank 0
+    alone reads the tokenizer (None on the others) and sends the EOS ids."""
     from ..cli import DTYPES, generation_eos_ids, load_tokenizer
     from ..config import load_target_config
     from ..torch_backend import load_torch_backend
 
     target_cfg = load_target_config(target_dir)  # fail on the config before touching weights
-    tokenizer = load_tokenizer(tokenizer_dir or target_dir)
     limit = target_cfg.max_position_embeddings
     max_model_len = min(max_model_len or limit, limit)
     if kv_pages is None:
         worst_block = block_size or 32  # released drafters use 16; one spare page per request at most
         kv_pages = max_batch * -(-(max_model_len + worst_block) // page_size)
-    backend = load_torch_backend(target_dir, drafter_dir, DTYPES[dtype], "cpu", kv_pages, page_size, block_size, drafter_type)
-    eos = generation_eos_ids(target_dir, tokenizer, tokenizer_dir)
+    if tp is None:
+        tokenizer = load_tokenizer(tokenizer_dir or target_dir)
+        backend = load_torch_backend(target_dir, drafter_dir, DTYPES[dtype], "cpu", kv_pages, page_size, block_size, drafter_type)
+        eos = generation_eos_ids(target_dir, tokenizer, tokenizer_dir)
+    else:
+        from ..tp import load_tp_backend
+
+        def prepare():
+            tok = load_tokenizer(tokenizer_dir or target_dir)
+            return tok, sorted(generation_eos_ids(target_dir, tok, tokenizer_dir))
+
+        tokenizer, eos = tp.agree(prepare if tp.rank == 0 else lambda: (None, None))
+        eos = tp.broadcast_object(eos)
+        backend = load_tp_backend(Path(target_dir).parent, tp, DTYPES[dtype], drafter_dir is not None, tp_drafter, kv_pages,
+                                  page_size, block_size)
     gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, use_drafter=drafter_dir is not None, max_seq_len=max_model_len,
                     max_verify_tokens=max_verify_tokens)
     return LoadedModel(gen, tokenizer, max_model_len, backend.block_size, drafter_dir)

@@ -219,7 +219,7 @@ class Server:
         self.capacity = gen.max_batch + max_queue  # requests in flight (running + waiting)
         self.in_flight = 0
         self.metrics = Metrics(self.block_size, gen.backend.num_pages)
-        self.engine = EngineCore(gen, sink=self._sink)
+        self.engine = EngineCore(gen, sink=self._sink, broadcast=model.broadcast)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
         self._latency_ema_s = 1.0
