@@ -76,22 +76,40 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
+def check_model_dirs(args) -> None:
+    """--target DIR [--drafter DIR], or --checkpoint DIR (the output of dflash-trt convert, holding both):
+    one error when neither or both are given (generate, serve and triton-repo alike)."""
+    if args.checkpoint:
+        if args.target or args.drafter:
+            raise ConfigError("--checkpoint holds the target and the drafter: drop --target / --drafter", key="--checkpoint")
+        if args.drafter_type != "dflash":
+            raise ConfigError("converted checkpoints hold a DFlash drafter", key="--drafter-type")
+    elif not args.target:
+        raise ConfigError("pass --target DIR (Hugging Face), or --checkpoint DIR (the output of dflash-trt convert)", key="--target")
+
+
+def requested_drafter(args) -> str | None:
+    """The --drafter directory, None with --no-drafter; an error when neither is given."""
+    if args.no_drafter:
+        return None
+    if args.drafter is None:
+        raise ConfigError("no drafter given: pass --drafter DIR, or --no-drafter for plain decoding", key="--drafter")
+    return args.drafter
+
+
 def cmd_generate(args) -> int:
     from .config import load_target_config
     from .torch_backend import load_torch_backend
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_model_dirs(args)
     if args.checkpoint:
         return generate_checkpoint(args)
-    if not args.target:
-        raise ConfigError("pass --target DIR (Hugging Face), or --checkpoint DIR (the output of dflash-trt convert)", key="--target")
     target_cfg = load_target_config(args.target)  # fail on the config before touching weights
     tokenizer = load_tokenizer(args.tokenizer or args.target)
     prompts = [encode_prompt(tokenizer, p, chat=not args.no_chat_template) for p in read_prompts(args)]
-    drafter_dir = None if args.no_drafter else args.drafter
-    if drafter_dir is None and not args.no_drafter:
-        raise ConfigError("no drafter given: pass --drafter DIR, or --no-drafter for plain decoding", key="--drafter")
+    drafter_dir = requested_drafter(args)
     pages = kv_pages(args, prompts)
     backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], args.device, pages, args.page_size, args.block_size, args.drafter_type)
     eos = generation_eos_ids(args.target, tokenizer)
@@ -115,10 +133,6 @@ def generate_checkpoint(args) -> int:
     from .torch_backend import load_torch_backend
 
     ckpt = Path(args.checkpoint)
-    if args.target or args.drafter:
-        raise ConfigError("--checkpoint holds the target and the drafter: drop --target / --drafter", key="--checkpoint")
-    if args.drafter_type != "dflash":
-        raise ConfigError("converted checkpoints hold a DFlash drafter", key="--drafter-type")
     target_cfg = load_target_config(ckpt / "target")
     mode = "autoregressive" if args.no_drafter else "dflash"
     tokenizers: list = []

@@ -89,10 +89,10 @@ class Generator:
     ) -> int:
         self.check(prompt_ids, params)
         seq_id = next(self._ids)
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        params = params.seeded()
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         self._waiting.append(
-            Sequence(seq_id, list(prompt_ids), params, frozenset(stop), torch.Generator().manual_seed(seed), on_token)
+            Sequence(seq_id, list(prompt_ids), params, frozenset(stop), torch.Generator().manual_seed(params.seed), on_token)
         )
         return seq_id
 

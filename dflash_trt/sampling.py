@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +22,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     ignore_eos: bool = False
     seed: int | None = None
+
+    def seeded(self) -> "SamplingParams":
+        """These parameters with a seed: their own, or one drawn from the global RNG now."""
+        return self if self.seed is not None else replace(self, seed=int(torch.randint(0, 2**62, ()).item()))
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

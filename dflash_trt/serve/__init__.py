@@ -31,27 +31,14 @@ def _model_args(p) -> None:
 
 def _resolve_dirs(args) -> None:
     """--checkpoint DIR stands for --target DIR/target --drafter DIR/drafter --tokenizer DIR."""
-    from ..errors import ConfigError
+    from ..cli import check_model_dirs
 
+    check_model_dirs(args)
     if args.checkpoint:
-        if args.target or args.drafter:
-            raise ConfigError("--checkpoint holds the target and the drafter: drop --target / --drafter", key="--checkpoint")
         ckpt = Path(args.checkpoint)
         args.target, args.drafter = str(ckpt / "target"), str(ckpt / "drafter")
         args.tokenizer = args.tokenizer or str(ckpt)
         args.model_name = args.model_name or ckpt.resolve().name
-    elif not args.target:
-        raise ConfigError("pass --target DIR (Hugging Face), or --checkpoint DIR (the output of dflash-trt convert)", key="--target")
-
-
-def _drafter_dir(args) -> str | None:
-    from ..errors import ConfigError
-
-    if args.no_drafter:
-        return None
-    if args.drafter is None:
-        raise ConfigError("no drafter given: pass --drafter DIR, or --no-drafter for plain decoding", key="--drafter")
-    return args.drafter
 
 
 def _positive(args, *names: str) -> None:
@@ -66,6 +53,7 @@ def _positive(args, *names: str) -> None:
 def cmd_serve(args) -> int:
     import torch
 
+    from ..cli import requested_drafter
     from ..tp import launched_world_size
     from .engine import load_model
     from .server import Server, run
@@ -83,7 +71,7 @@ def cmd_serve(args) -> int:
 
         return serve_tp(args)
     model = load_model(
-        args.target, _drafter_dir(args), tokenizer_dir=args.tokenizer, drafter_type=args.drafter_type, dtype=args.dtype,
+        args.target, requested_drafter(args), tokenizer_dir=args.tokenizer, drafter_type=args.drafter_type, dtype=args.dtype,
         max_batch=args.max_batch, max_model_len=args.max_model_len, kv_pages=args.kv_pages, page_size=args.page_size,
         block_size=args.block_size, max_verify_tokens=args.max_verify_tokens,
     )
@@ -96,12 +84,13 @@ def cmd_serve(args) -> int:
 
 
 def cmd_triton_repo(args) -> int:
+    from ..cli import requested_drafter
     from .triton_repo import write_repository
 
     _resolve_dirs(args)
     _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens", "max-verify-tokens")
     out = write_repository(
-        args.out, target=args.target, drafter=_drafter_dir(args), model_name=args.model_name or "dflash",
+        args.out, target=args.target, drafter=requested_drafter(args), model_name=args.model_name or "dflash",
         tokenizer=args.tokenizer, drafter_type=args.drafter_type, block_size=args.block_size, dtype=args.dtype,
         max_batch=args.max_batch, max_model_len=args.max_model_len, kv_pages=args.kv_pages, page_size=args.page_size,
         default_max_tokens=args.default_max_tokens, max_verify_tokens=args.max_verify_tokens, force=args.force,

@@ -24,11 +24,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from ..errors import DFlashError
 from ..runtime import Generator, RequestOutput
@@ -138,9 +136,8 @@ class EngineCore:
         kind, request = msg
         gen = self.generator
         if kind == "submit":
-            params = request.params
-            if self.broadcast is not None and params.seed is None:  # the seed Generator.submit would draw, drawn here once for every rank
-                params = replace(params, seed=int(torch.randint(0, 2**62, ()).item()))
+            # under TP the seed Generator.submit would draw is drawn here, once, and sent to every rank
+            params = request.params.seeded() if self.broadcast is not None else request.params
             try:
                 request.seq_id = gen.submit(request.prompt_ids, params, on_token=self._on_token)
             except DFlashError as e:  # refused by a check every rank would make alike: nothing to replay

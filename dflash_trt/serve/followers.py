@@ -80,8 +80,6 @@ def serve_tp(args) -> int:
     if not args.checkpoint:
         raise ConfigError("tensor-parallel serving loads a converted checkpoint: pass --checkpoint DIR (dflash-trt convert --tp N)",
                           key="--checkpoint")
-    if args.drafter_type != "dflash":
-        raise ConfigError("converted checkpoints hold a DFlash drafter", key="--drafter-type")
     tp = init_tp("cpu", args.tp_timeout)
     try:
         model = load_model(
