@@ -11,8 +11,6 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import numpy as np
-
 NAMESPACE = "dflash"
 VERSION = "1"
 TARGET_ARCHS = (90, 100, 103)  # H100/H200, B200, B300
@@ -59,17 +57,6 @@ class PluginSpec:
 
     def unpack(self, fields: list[tuple[str, bytes, str, int]]) -> dict:
         return {name: struct.unpack("<i" if t == "int32" else "<f", data)[0] for name, data, t, _ in fields}
-
-    def trt_fields(self, **values):
-        """tensorrt.PluginFieldCollection for this plugin (needs tensorrt; used by dflash_trt/trtllm)."""
-        import tensorrt as trt
-
-        kinds = {"int32": (trt.PluginFieldType.INT32, np.int32), "float32": (trt.PluginFieldType.FLOAT32, np.float32)}
-        fields = []
-        for name, data, t, _ in self.pack(**values):
-            kind, np_type = kinds[t]
-            fields.append(trt.PluginField(name, np.frombuffer(data, dtype=np_type).copy(), kind))
-        return trt.PluginFieldCollection(fields)
 
 
 FLOATS = ("float32", "float16", "bfloat16")

@@ -79,9 +79,8 @@ def add_draft_token_ids(network: Any, trt: Any, logits: Any, name: str = DRAFT_T
 
 
 def plugin_fields(trt: Any, spec: PluginSpec, **attrs) -> tuple[Any, list[np.ndarray]]:
-    """spec.pack(...) as a PluginFieldCollection of `trt` (spec.trt_fields does the same for `tensorrt`
-    only; this one also serves TensorRT-RTX in the CPU test), and the arrays it points into: keep them
-    alive until create_plugin has read them."""
+    """spec.pack(...) as a PluginFieldCollection of `trt` (tensorrt, or TensorRT-RTX in the CPU test), and the
+    arrays it points into: keep them alive until create_plugin has read them."""
     field_type = api.get("trt.PluginFieldType", trt)
     kinds = {"int32": (field_type.INT32, np.int32), "float32": (field_type.FLOAT32, np.float32)}
     arrays, fields = [], []
