@@ -8,27 +8,19 @@ from __future__ import annotations
 import torch
 
 from ..kv_cache import AttentionBatch
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, hd]; cos/sin: [T, hd] (rotate-half layout, as models.layers.apply_rope)."""
-    from ..models.layers import apply_rope
-
-    return apply_rope(x, cos, sin)
-
+from ..models.layers import apply_rope, paged_attention
+from ..quant.fp8 import dequantize_fp8, quantize_fp8
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """Values as the cache stores them: FP8 pools hold x / scale, saturated; others a plain cast."""
+    """Values as the cache stores them: FP8 pools hold x / scale, saturated (quant.fp8); others a plain cast."""
     if dtype == torch.float8_e4m3fn:
-        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+        return quantize_fp8(x, torch.tensor(scale, dtype=torch.float32))
     return x.to(dtype)
 
 
 def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     if x.dtype == torch.float8_e4m3fn:
-        return (x.float() * scale).to(dtype)
+        return dequantize_fp8(x, torch.tensor(scale, dtype=torch.float32), dtype)
     return x.to(dtype)
 
 
@@ -57,7 +49,7 @@ def kv_inject_reference(
     k = (k32 * torch.rsqrt(k32.pow(2).mean(-1, keepdim=True) + eps)).to(k.dtype)
     k = k * k_norm_weight[None, :, None, :]
     T = k.shape[0]
-    k = rope_rotate(k.reshape(T, L * nkv, hd), cos, sin).view(T, L, nkv, hd)
+    k = apply_rope(k.reshape(T, L * nkv, hd), cos, sin).view(T, L, nkv, hd)
     k_cache[:, write_slots] = to_cache(k.transpose(0, 1), k_cache.dtype, k_scale)
     v_cache[:, write_slots] = to_cache(v.transpose(0, 1), v_cache.dtype, v_scale)
 
@@ -73,8 +65,6 @@ def block_attention_reference(
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [T, nh, hd]; pools [slots, nkv, hd] (FP8 ones are dequantized with their scale) → [T, nh·hd]."""
-    from ..models.layers import paged_attention
-
     if k_pool.dtype == torch.float8_e4m3fn or v_pool.dtype == torch.float8_e4m3fn:
         k_pool, v_pool = from_cache(k_pool, q.dtype, k_scale), from_cache(v_pool, q.dtype, v_scale)
     return paged_attention(q, k_pool, v_pool, batch, causal=causal, window=window)
