@@ -11,6 +11,7 @@ from ..kv_cache import AttentionBatch
 from ..models.layers import apply_rope, paged_attention
 from ..quant.fp8 import dequantize_fp8, quantize_fp8
 
+
 def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """Values as the cache stores them: FP8 pools hold x / scale, saturated (quant.fp8); others a plain cast."""
     if dtype == torch.float8_e4m3fn:
