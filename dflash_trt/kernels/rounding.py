@@ -8,7 +8,9 @@ the same bits on both, so the CPU tests pin what the GPU computes. Results stay 
 import triton
 import triton.language as tl
 
-FP8_E4M3_MAX = tl.constexpr(448.0)
+from ..quant.fp8 import E4M3_MAX
+
+FP8_E4M3_MAX = tl.constexpr(E4M3_MAX)
 FP8_E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6; below it e4m3 steps by 2^-9
 
 
