@@ -1,0 +1,145 @@
+"""The engine's I/O on TensorRT-LLM 1.2.1's EAGLE contract: names, dtypes and shapes, in one table.
+
+One engine (`speculative_decoding_mode eagle`, the executor's `DecodingMode::Eagle`) runs, per call:
+the target over every scheduled token, our accept op over the previous step's drafts, KV injection of
+the kept tokens' target features into the drafter's layers (extra layers of the same paged KV pool),
+then one DFlash block pass that proposes the next drafts as a one-path tree. The C++ runtime fills the
+inputs and consumes the outputs listed here; docs/engine-path.md cites where it does so.
+
+Both the TensorRT-LLM model class (`trtllm/model.py`, built by trtllm-build) and the CPU emulation
+(`trtllm/emulation.py`) take their names, dtypes and shapes from this module only.
+
+Shapes use: B = requests in the call, T = tokens in the call (packed, no padding), K = max_draft_len
+(block_size - 1), D = K + 1 (max_decoding_tokens), P = K + 1 (max_path_len: a one-path tree of K drafts
+plus its root), W = ceil(D / 32) (packed-mask words), M = max blocks per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Request types of `host_request_types` (runtime/common.h RequestType: context 0, generation 1).
+CONTEXT, GENERATION = 0, 1
+
+
+@dataclass(frozen=True)
+class Io:
+    name: str
+    dtype: str  # "int32" | "float32" | "dtype" (the engine's activation dtype)
+    shape: str
+    host: bool = False
+
+
+# The inputs our engine reads. The runtime fills more for EAGLE (the EagleNet host tensors, dynamic-tree
+# tensors, posterior_*); the engine declares those too (EAGLE_UNUSED_INPUTS) so that every tensor the
+# runtime sets exists in the engine, and ignores them.
+INPUTS: tuple[Io, ...] = (
+    Io("input_ids", "int32", "[T]"),
+    Io("position_ids", "int32", "[T]"),
+    Io("last_token_ids", "int32", "[B]"),
+    Io("host_request_types", "int32", "[B]", host=True),
+    Io("host_context_lengths", "int32", "[B]", host=True),
+    Io("host_past_key_value_lengths", "int32", "[B]", host=True),
+    Io("sequence_length", "int32", "[B]"),
+    Io("kv_cache_block_offsets", "int32", "[1, B, 2, M]"),
+    Io("spec_decoding_generation_lengths", "int32", "[B]"),
+    Io("spec_decoding_position_offsets", "int32", "[B, D]"),
+    Io("spec_decoding_packed_mask", "int32", "[B, D, W]"),
+    Io("draft_tokens", "int32", "[B, K]"),
+    Io("draft_lens", "int32", "[B]"),
+    Io("draft_paths", "int32", "[B, D, P]"),
+    Io("greedy_sampling", "int32", "[1]", host=True),
+    Io("eagle_temperature", "float32", "[B]"),
+    Io("rand_data_sample", "float32", "[B]"),
+    Io("rand_data_validation", "float32", "[B, D]"),
+)
+
+EAGLE_UNUSED_INPUTS: tuple[str, ...] = (
+    "posterior_alpha", "posterior_threshold",
+    "host_ctx_eagle_net_request_types", "host_ctx_eagle_net_context_lengths", "host_ctx_eagle_net_past_key_value_lengths",
+    "host_gen_eagle_net_request_types", "host_gen_eagle_net_context_lengths", "host_gen_eagle_net_past_key_value_lengths",
+    "input_gen_tokens", "chunked_context_next_tokens", "use_dynamic_tree", "spec_decoding_use", "dynamic_tree_max_topK",
+    "prev_scores", "current_expand_indices", "all_layers_scores", "all_layers_draft_token_ids",
+    "all_layers_draft_token_ids_predecessor",
+)
+
+OUTPUTS: tuple[Io, ...] = (
+    Io("accepted_tokens", "int32", "[B, P]"),
+    Io("num_accepted_tokens", "int32", "[B]"),
+    Io("accepted_paths", "int32", "[B]"),
+    Io("next_draft_tokens", "int32", "[B, K]"),
+    Io("next_draft_lens", "int32", "[B]"),
+    Io("next_draft_paths", "int32", "[B, D, P]"),
+)
+
+INPUT_NAMES = tuple(io.name for io in INPUTS)
+OUTPUT_NAMES = tuple(io.name for io in OUTPUTS)
+TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The build-time sizes of the contract for a drafter of `block_size`."""
+
+    block_size: int
+
+    @property
+    def max_draft_len(self) -> int:  # K
+        return self.block_size - 1
+
+    @property
+    def max_decoding_tokens(self) -> int:  # D
+        return self.block_size
+
+    @property
+    def max_path_len(self) -> int:  # P
+        return self.block_size
+
+    @property
+    def packed_mask_words(self) -> int:  # W
+        return -(-self.max_decoding_tokens // 32)
+
+    def sizes(self, batch: int, tokens: int, max_blocks: int) -> dict[str, int]:
+        return {"B": batch, "T": tokens, "K": self.max_draft_len, "D": self.max_decoding_tokens, "P": self.max_path_len,
+                "W": self.packed_mask_words, "M": max_blocks}
+
+
+def shape_of(io: Io, sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(int(d) if d.isdigit() else sizes[d] for d in io.shape.strip("[]").split(", "))
+
+
+def check_io(tensors: dict[str, torch.Tensor], table: tuple[Io, ...], sizes: dict[str, int], activation_dtype: torch.dtype, side: str) -> None:
+    """Every tensor of `table` is present with exactly its shape and dtype (what TensorRT would check at bind time)."""
+    for io in table:
+        if io.name not in tensors:
+            raise ValueError(f"{side}: missing engine tensor {io.name!r}")
+        t = tensors[io.name]
+        want_dtype = activation_dtype if io.dtype == "dtype" else TORCH_DTYPES[io.dtype]
+        want_shape = shape_of(io, sizes)
+        if t.dtype != want_dtype or tuple(t.shape) != want_shape:
+            raise ValueError(f"{side}: {io.name} is {t.dtype} {tuple(t.shape)}, the contract says {want_dtype} {want_shape}")
+
+
+def chain_paths(dims: Dims, batch: int) -> torch.Tensor:
+    """The one-path tree of K drafts, [B, D, P] int32: path 0 = [0, 1, ..., K] (token indices within the
+    verify block, 0 = the root, the last accepted token); every other path is -1 (unused)."""
+    paths = torch.full((batch, dims.max_decoding_tokens, dims.max_path_len), -1, dtype=torch.int32)
+    paths[:, 0] = torch.arange(dims.max_path_len, dtype=torch.int32)
+    return paths
+
+
+def chain_position_offsets(dims: Dims, batch: int) -> torch.Tensor:
+    """[B, D]: the depth of each verify-block token in the tree; for a chain, 0..K."""
+    return torch.arange(dims.max_decoding_tokens, dtype=torch.int32).expand(batch, -1).contiguous()
+
+
+def chain_packed_mask(dims: Dims, batch: int) -> torch.Tensor:
+    """[B, D, W] int32: bit j of row i set when block token i may attend block token j; a chain is causal."""
+    d = dims.max_decoding_tokens
+    mask = torch.zeros(batch, d, dims.packed_mask_words, dtype=torch.int64)
+    for i in range(d):
+        for j in range(i + 1):
+            mask[:, i, j // 32] |= 1 << (j % 32)
+    return torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)  # the bit pattern as int32

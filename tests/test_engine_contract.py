@@ -1,0 +1,172 @@
+"""The engine path's contract, emulated on CPU: the emulated C++ runtime (DecodingMode::Eagle) driving the
+emulated DFlash engine gives the reference loop's tokens and drafts, request for request.
+
+The reference is runtime.Generator over TorchBackend (itself tested against transformers' greedy output).
+Random drafters rarely guess right, so the acceptance paths are also driven by an oracle: the same
+deterministic corruption of the true continuation on both sides, applied after the real drafter ran.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_drafter, write_target
+from scipy.stats import chisquare
+
+from dflash_trt.models.drafter import load_drafter
+from dflash_trt.models.target import load_target
+from dflash_trt.runtime import Generator
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.torch_backend import TorchBackend
+from dflash_trt.trtllm import contract
+from dflash_trt.trtllm.emulation import DFlashEngine, EagleRuntime, KVBlockPool, sample_inverse_cdf
+
+MAX_NEW = 20
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 96) for _ in range(rng.randrange(3, 19))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("contract")
+    out = {}
+    for arch, seed, tie in (("llama", 21, False), ("qwen3", 22, True)):
+        t = write_target(root / arch, arch, seed=seed, tie=tie)
+        # The drafter's layers share the target's KV pool: the same KV heads and head_dim.
+        head_dim = 24 if arch == "qwen3" else 16
+        d = write_drafter(root / f"{arch}-d", t, num_layers=2, block_size=6, seed=seed + 10, head_dim=head_dim)
+        target = load_target(t)
+        out[arch] = (target, load_drafter(d, target.cfg))
+    return out
+
+
+def _oracle(truth: list[int], done: int, real: list[int], key: tuple) -> list[int]:
+    """Deterministic in (request, tokens committed): the continuation right for a random count, then wrong."""
+    rng = random.Random(hash(key))
+    k = len(real)
+    if rng.random() < 0.2:
+        return real
+    right = rng.choice([k, k, rng.randrange(k + 1)])
+    tail = (truth + [0] * 64)[done : done + k]
+    return tail[:right] + [(t + 1 + rng.randrange(90)) % 96 for t in tail[right:]]
+
+
+def _reference(target, drafter, prompts, max_new, max_batch, truth=None, eos=()):
+    """Generator + TorchBackend; returns outputs and, per request, the drafts of each step."""
+    backend = TorchBackend(target, drafter, num_pages=1024, page_size=4)
+    drafts: dict[int, list[list[int]]] = {i: [] for i in range(len(prompts))}
+    real_draft = backend.draft
+
+    def draft(seq_ids, last_tokens, num_drafts):
+        out = real_draft(seq_ids, last_tokens, num_drafts)
+        if truth is not None:
+            starts = [backend.target_cache.lengths[s] for s in seq_ids]
+            out = [_oracle(truth[s], p - len(prompts[s]) + 1, d, (s, p)) for s, p, d in zip(seq_ids, starts, out)]
+        for s, d in zip(seq_ids, out):
+            drafts[s].append(d)
+        return out
+
+    backend.draft = draft
+    gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch)
+    outs = gen.generate(prompts, [SamplingParams(max_new_tokens=m) for m in max_new])
+    return outs, drafts
+
+
+def _emulated(target, drafter, prompts, max_new, max_batch, truth=None, eos=(), join_every=None, tokens_per_block=4):
+    """EagleRuntime + DFlashEngine over a pool of TensorRT-LLM's layout; request i is prompt i."""
+    layers = target.cfg.num_layers + drafter.cfg.num_layers
+    pool = KVBlockPool(400, layers, target.cfg.num_kv_heads, tokens_per_block, target.cfg.head_dim)
+    holder = {}
+
+    def draft_filter(row, start, real):
+        rid = holder["runtime"].batch_request_ids[row]
+        return _oracle(truth[rid], start - len(prompts[rid]) + 1, real, (rid, start))
+
+    engine = DFlashEngine(target, drafter, pool, draft_filter=draft_filter if truth is not None else None)
+    runtime = holder["runtime"] = EagleRuntime(engine, max_batch=max_batch)
+    ids = []
+    for i, (p, m) in enumerate(zip(prompts, max_new)):
+        ids.append(runtime.enqueue_request(p, m, end_ids=eos))
+        if join_every and i % join_every == join_every - 1:
+            runtime.step()  # later requests join a running batch
+    done = runtime.run()
+    assert len(pool.free) == pool.num_blocks and runtime.reserved == 0  # every block back
+    return [done[i] for i in ids]
+
+
+def _assert_same_drafts(emu, ref_drafts, K) -> int:
+    compared = 0
+    for i, e in enumerate(emu):
+        full = [d for d in ref_drafts[i] if len(d) == K]  # the reference drafts fewer near max_new_tokens
+        assert e.drafts_fed[: len(full)] == full
+        compared += len(full)
+    return compared
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_emulated_engine_equals_the_reference_loop(models, arch, max_batch):
+    target, drafter = models[arch]
+    prompts = _prompts(max_batch, 8)
+    rng = random.Random(max_batch)
+    max_new = [rng.randrange(1, MAX_NEW + 1) for _ in prompts]
+    ref, ref_drafts = _reference(target, drafter, prompts, max_new, max_batch)
+    emu = _emulated(target, drafter, prompts, max_new, max_batch, join_every=3)
+    assert [e.output_ids for e in emu] == [r.output_ids for r in ref]
+    assert [e.finish_reason for e in emu] == [r.finish_reason for r in ref]
+    assert _assert_same_drafts(emu, ref_drafts, drafter.cfg.block_size - 1) >= 8
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_emulated_engine_equals_the_reference_loop_with_long_acceptances_and_stops(models, arch, max_batch):
+    """Oracle drafts (right for a random count) on both sides; EOS lands inside accepted blocks."""
+    target, drafter = models[arch]
+    prompts = _prompts(10 + max_batch, 10)
+    plain, _ = _reference(target, None, prompts, [MAX_NEW] * len(prompts), 8)
+    truth = [o.output_ids for o in plain]
+    rng = random.Random(max_batch)
+    eos = {truth[i][rng.randrange(2, MAX_NEW)] for i in range(0, len(prompts), 3)}
+    max_new = [rng.randrange(1, MAX_NEW + 1) for _ in prompts]
+    ref, ref_drafts = _reference(target, drafter, prompts, max_new, max_batch, truth=truth, eos=eos)
+    emu = _emulated(target, drafter, prompts, max_new, max_batch, truth=truth, eos=eos, join_every=2)
+    assert [(e.output_ids, e.finish_reason) for e in emu] == [(r.output_ids, r.finish_reason) for r in ref]
+    for e, t, m in zip(emu, truth, max_new):  # and both are the target's own greedy output, cut by the stop rules
+        assert e.output_ids == t[: len(e.output_ids)]
+    K = drafter.cfg.block_size - 1
+    for e, r in zip(emu, ref):  # step for step while the reference drafts whole blocks
+        full = sum(len(d) == K for d in ref_drafts[r.seq_id])
+        assert e.accepted_lengths[:full] == r.accepted_lengths[:full]
+    assert max(n for e in emu for n in e.accepted_lengths) == drafter.cfg.block_size  # whole blocks accepted
+    assert sum(e.finish_reason == "stop" for e in emu) >= 1
+    assert _assert_same_drafts(emu, ref_drafts, K) >= 5
+
+
+def test_contract_tables_have_unique_names_and_known_dims():
+    names = contract.INPUT_NAMES + contract.OUTPUT_NAMES + contract.EAGLE_UNUSED_INPUTS
+    assert len(set(names)) == len(names)
+    sizes = contract.Dims(16).sizes(batch=3, tokens=20, max_blocks=5)
+    for io in contract.INPUTS + contract.OUTPUTS:
+        assert all(d in sizes or d.isdigit() for d in io.shape.strip("[]").split(", ")), io
+
+
+def test_chain_packed_mask_is_causal_bit_for_bit():
+    dims = contract.Dims(40)  # D = 40 > 32: two mask words per row
+    mask = contract.chain_packed_mask(dims, 2).to(torch.int64) & 0xFFFFFFFF
+    for i in range(dims.max_decoding_tokens):
+        bits = [(int(mask[1, i, j // 32]) >> (j % 32)) & 1 for j in range(dims.max_decoding_tokens)]
+        assert bits == [1] * (i + 1) + [0] * (dims.max_decoding_tokens - i - 1)
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    p = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    gen = torch.Generator().manual_seed(0)
+    counts = np.bincount([sample_inverse_cdf(p * 3, float(torch.rand((), generator=gen))) for _ in range(4000)], minlength=4)
+    assert counts[1] == 0
+    assert chisquare(counts[[0, 2, 3]], np.array([0.1, 0.6, 0.3]) * 4000).pvalue > 1e-3
