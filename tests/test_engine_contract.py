@@ -170,3 +170,49 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     counts = np.bincount([sample_inverse_cdf(p * 3, float(torch.rand((), generator=gen))) for _ in range(4000)], minlength=4)
     assert counts[1] == 0
     assert chisquare(counts[[0, 2, 3]], np.array([0.1, 0.6, 0.3]) * 4000).pvalue > 1e-3
+
+
+def test_sampling_engine_emits_the_target_distribution(tmp_path):
+    """T > 0: the accept op's rejection sampling from the runtime's uniforms (rand_data_validation,
+    rand_data_sample) at eagle_temperature emits exact samples: the joint of the first three tokens fits
+    the target's, enumerated from transformers' logits in float64."""
+    import transformers
+    from test_sampling import _filtered
+
+    vocab, temperature, prompt, n = 12, 0.8, [5, 9, 4, 11, 7], 3000
+    t = write_target(tmp_path / "t", "llama", seed=11, vocab_size=vocab, initializer_range=0.3)
+    d = write_drafter(tmp_path / "d", t, num_layers=1, block_size=4, seed=12)
+    target = load_target(t)
+    drafter = load_drafter(d, target.cfg)
+    pool = KVBlockPool(n * 4, target.cfg.num_layers + 1, target.cfg.num_kv_heads, 4, target.cfg.head_dim)
+    runtime = EagleRuntime(DFlashEngine(target, drafter, pool), max_batch=1000, greedy=False)
+    ids = [runtime.enqueue_request(prompt, 3, temperature=temperature, seed=i) for i in range(n)]
+    done = runtime.run()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(t, dtype=torch.float64).eval()
+
+    def dist(prefix):
+        with torch.no_grad():
+            return _filtered(hf(torch.tensor([prompt + list(prefix)])).logits[0, -1].numpy(), temperature, 1.0, 0)
+
+    joint = {}
+    p1 = dist(())
+    for a in range(vocab):
+        p2 = dist((a,))
+        for b in range(vocab):
+            p3 = dist((a, b))
+            for c in range(vocab):
+                joint[(a, b, c)] = p1[a] * p2[b] * p3[c]
+    counts: dict[tuple, int] = {}
+    for i in ids:
+        key = tuple(done[i].output_ids)
+        counts[key] = counts.get(key, 0) + 1
+    cells = sorted(joint, key=joint.get, reverse=True)
+    big = [c for c in cells if joint[c] * n >= 5]
+    small = [c for c in cells if joint[c] * n < 5]
+    observed = [counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in small)]
+    expected = [joint[c] * n for c in big] + [sum(joint[c] for c in small) * n]
+    assert len(big) >= 10
+    assert chisquare(observed, np.array(expected) * (n / sum(expected))).pvalue > 1e-3
+    lengths = [k for i in ids for k in done[i].accepted_lengths]
+    assert 1 in lengths and max(lengths) >= 2  # rejections and acceptances both ran
