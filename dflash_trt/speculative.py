@@ -45,7 +45,9 @@ class Backend(Protocol):
 
     vocab_size: int
     max_drafts: int  # block_size - 1, or 0 without a drafter
+    num_pages: int  # KV pages in the pool (the Generator admits requests against it)
 
+    def pages_needed(self, num_tokens: int) -> int: ...  # worst-case pages of one sequence of num_tokens tokens
     def add_sequence(self, seq_id: int) -> None: ...
     def release(self, seq_id: int) -> None: ...
     def prefill(self, seq_ids: list[int], prompts: list[list[int]], need_logits: list[bool] | None = None) -> list[Scores]: ...  # last token
