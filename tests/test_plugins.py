@@ -216,3 +216,42 @@ def test_block_attention_launch_fits_the_workspace_bound_and_covers_every_key(ba
     assert launch["splits"] * launch["keys_per_split"] >= max_kv and launch["keys_per_split"] % 32 == 0
     assert batch * 8 * launch["splits"] <= max(spec.TARGET_PROGRAMS, batch * 8)  # ≤ 2 waves, or one program per (request, head)
     assert launch["block_m"] == 64  # 16 queries × 4 heads per kv head
+
+
+REGISTRATION_CHECK = """
+import ctypes, os, shutil, sys
+import tensorrt_rtx as trt
+from dflash_trt.kernels import plugin_spec
+from dflash_trt.trtllm import plugin_library
+
+lib, copy = sys.argv[1], sys.argv[2]
+registry = trt.get_plugin_registry()
+found = lambda: sorted(n for n in plugin_spec.PLUGINS if registry.get_creator(n, plugin_spec.VERSION, plugin_spec.NAMESPACE))
+ctypes.CDLL(copy, mode=ctypes.RTLD_GLOBAL | os.RTLD_LAZY)  # what the loaders did (lazily: no libcuda here): registers nothing
+print("after CDLL", found())
+plugin_library.register(lib, trt)
+print("after register", found())
+"""
+
+
+@needs_toolchain
+def test_plugin_library_registers_its_creators_through_tensorrts_registry(aot_header, tmp_path):
+    """TensorRT finds our creators only after IPluginRegistry::loadLibrary (plugin_library.register); a plain
+    dlopen (ctypes.CDLL) leaves the registry without them. Checked with TensorRT-RTX's registry on CPU."""
+    pytest.importorskip("tensorrt_rtx")
+    lib = tmp_path / "libdflash_plugins.so"
+    assert compile_plugins(aot_header, lib).returncode == 0
+    copy = tmp_path / "copy.so"
+    shutil.copy(lib, copy)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", REGISTRATION_CHECK, str(lib), str(copy)], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    names = sorted(spec.PLUGINS)
+    assert result.stdout.splitlines() == ["after CDLL []", f"after register {names}"]
+
+
+def test_registering_a_missing_library_is_one_clear_error(tmp_path):
+    from dflash_trt.trtllm import api, plugin_library
+
+    with pytest.raises(api.TensorRTUnavailable, match="plugin library not found.*DFLASH_PLUGIN_LIB"):
+        plugin_library.register(tmp_path / "absent.so")

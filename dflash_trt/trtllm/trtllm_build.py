@@ -1,7 +1,7 @@
 """`python -m dflash_trt.trtllm.trtllm_build --dflash_target_checkpoint DIR [--dflash_plugin_lib SO] <trtllm-build args>`
 
-trtllm-build with our architectures registered: loads the plugin library (so TensorRT's registry
-has the "dflash" creators), registers DFlashDraftForCausalLM and the capturing target class in
+trtllm-build with our architectures registered: loads the plugin library through TensorRT's registry
+(plugin_library.register: the "dflash" creators), registers DFlashDraftForCausalLM and the capturing target class in
 MODEL_MAP (model.register), turns on TensorRT's aliased plugin I/O (DFlashKVInject updates the drafter's
 caches in place; TensorRT honours IPluginV3OneBuildV2::getAliasedInput only with
 PreviewFeature.ALIASED_PLUGIN_IO_10_03, which tensorrt_llm's Builder.create_builder_config does not set),
@@ -11,7 +11,6 @@ then runs tensorrt_llm.commands.build:main on the remaining arguments.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 
 
@@ -35,9 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dflash_target_checkpoint", required=True)
     parser.add_argument("--dflash_plugin_lib")
     ours, rest = parser.parse_known_args(argv)
-    if ours.dflash_plugin_lib:
-        ctypes.CDLL(ours.dflash_plugin_lib, mode=ctypes.RTLD_GLOBAL)
-    from . import api, model
+    from . import api, model, plugin_library
+
+    plugin_library.register(ours.dflash_plugin_lib)  # through TensorRT's registry, before any network uses the plugins
 
     model.register(ours.dflash_target_checkpoint)
     enable_aliased_plugin_io()
