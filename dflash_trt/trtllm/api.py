@@ -113,8 +113,16 @@ def get(name: str, trt_module: Any = None) -> Any:
 
 
 def require_tensorrt_llm() -> None:
-    """Fail early and clearly when tensorrt_llm is missing (before touching any engine file)."""
+    """Fail early and clearly when tensorrt_llm is missing, or is a release without the engine path."""
+    from . import TENSORRT_LLM_VERSION, RELEASE_IMAGE
+
     get("Executor")
+    version = str(getattr(importlib.import_module("tensorrt_llm"), "__version__", "unknown"))
+    if version.split(".")[:2] != TENSORRT_LLM_VERSION.split(".")[:2]:
+        raise TensorRTUnavailable(
+            f"tensorrt_llm {version} is installed; the engine path is pinned to {TENSORRT_LLM_VERSION} (the 1.2.x line, "
+            f"the last with trtllm-build and the C++ executor): use {RELEASE_IMAGE} (docker/Dockerfile)"
+        )
 
 
 def snapshot() -> dict[str, Any]:
