@@ -360,3 +360,20 @@ def test_plugin_fields_are_the_specs_packed_attributes():
     kinds = {trt.PluginFieldType.INT32: "int32", trt.PluginFieldType.FLOAT32: "float32"}
     got = [(f.name, a.tobytes(), kinds[f.type], 1) for f, a in zip(fields, arrays)]
     assert got == KV_INJECT.pack(num_layers=5, eps=1e-5)
+
+
+def test_captured_feature_is_the_residual_stream_whatever_the_layer_returns():
+    """A TensorRT-LLM decoder layer returns the residual stream, or (it, presents) with the KV cache on; with
+    reduce_fusion / norm_quant_fusion the stream comes second, after the next layer's normed input."""
+    from dflash_trt.trtllm.model import decoder_layer_feature
+
+    stream, normed, fp4, scale, presents = object(), object(), object(), object(), object()
+    cases = [
+        (stream, False),
+        ((stream, presents), True),
+        ((normed, stream), False),  # reduce_fusion, no cache
+        (((normed, stream), presents), True),  # reduce_fusion
+        ((((fp4, scale), stream), presents), True),  # norm_quant_fusion (NVFP4)
+    ]
+    for output, use_cache in cases:
+        assert decoder_layer_feature(output, use_cache) is stream

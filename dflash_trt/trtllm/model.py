@@ -28,6 +28,19 @@ from typing import Any
 
 from . import api, network
 
+def decoder_layer_feature(output: Any, use_cache: bool) -> Any:
+    """The residual stream after a TensorRT-LLM decoder layer (DFlash's feature: hidden + residual), from what
+    the layer returns. Llama's layer (models/llama/model.py `LLaMADecoderLayer.forward`, docs/engine-path.md)
+    returns `(hidden, presents)` with the KV cache on, else `hidden`; with `reduce_fusion` or
+    `norm_quant_fusion` on, a layer other than the last returns, as `hidden`, the pair `(next layer's normed
+    input, residual)` (the normed input being `(fp4, scale)` under NVFP4): the residual stream is then the
+    pair's second element, not its first."""
+    hidden = output[0] if use_cache else output
+    if isinstance(hidden, tuple):
+        return hidden[1]
+    return hidden
+
+
 def capturing_target_class(base: type, target_layer_ids: list[int]) -> type:
     """`base` (MODEL_MAP's class for the target architecture) with the captured features as an output."""
     trt = api.get("trt")
@@ -45,7 +58,7 @@ def capturing_target_class(base: type, target_layer_ids: list[int]) -> type:
 
                 def capture(*args, _i=i, _forward=layer_forward, **kwargs):
                     out = _forward(*args, **kwargs)
-                    self._captured[_i] = out[0] if isinstance(out, tuple) else out  # (hidden, present)
+                    self._captured[_i] = decoder_layer_feature(out, bool(kwargs.get("use_cache", False)))
                     return out
 
                 layer.forward = capture
