@@ -148,12 +148,44 @@ def test_emulated_engine_equals_the_reference_loop_with_long_acceptances_and_sto
     assert _assert_same_drafts(emu, ref_drafts, K) >= 5
 
 
-def test_contract_tables_have_unique_names_and_known_dims():
-    names = contract.INPUT_NAMES + contract.OUTPUT_NAMES + contract.EAGLE_UNUSED_INPUTS
+def test_contract_inputs_are_ones_the_runtime_binds_and_dims_are_known():
+    """TllmRuntime throws on an engine input that the runtime does not bind: ours are all EAGLE's or the base's."""
+    names = contract.INPUT_NAMES + contract.OUTPUT_NAMES
     assert len(set(names)) == len(names)
-    sizes = contract.Dims(16).sizes(batch=3, tokens=20, max_blocks=5)
+    assert set(contract.INPUT_NAMES) <= contract.EAGLE_RUNTIME_INPUTS | contract.BASE_INPUTS
+    sizes = contract.Dims(16).sizes(batch=3, generation=2, tokens=33, max_blocks=5, vocab=100, drafts=30)
     for io in contract.INPUTS + contract.OUTPUTS:
         assert all(d in sizes or d.isdigit() for d in io.shape.strip("[]").split(", ")), io
+
+
+def test_a_fully_accepted_block_needs_every_kv_slot_the_runtime_adds(models, monkeypatch):
+    """The runtime adds maxPathLen + maxDecodingTokens = 2K + 2 tokens of KV per call; after a fully accepted step
+    the next block's scratch K/V reach the last of them, so num_eagle_layers = K (P = K + 1) is the least that fits."""
+    target, drafter = models["llama"]
+    prompts = _prompts(5, 2)
+    plain, _ = _reference(target, None, prompts, [MAX_NEW] * 2, 2)
+    truth = [o.output_ids for o in plain]
+
+    def always_right(row, start, real):
+        rid = holder.batch_request_ids[row]
+        done = start - len(prompts[rid]) + 1
+        return (truth[rid] + [0] * 64)[done : done + len(real)]
+
+    def run(tokens_per_block):
+        pool = KVBlockPool(200, target.cfg.num_layers + drafter.cfg.num_layers, target.cfg.num_kv_heads, tokens_per_block, target.cfg.head_dim)
+        runtime = EagleRuntime(DFlashEngine(target, drafter, pool, draft_filter=always_right), max_batch=2)
+        for p in prompts:
+            runtime.enqueue_request(p, MAX_NEW)
+        return runtime
+
+    holder = run(1)
+    out = holder.run()
+    assert [out[i].output_ids for i in range(2)] == truth
+    assert max(n for r in out.values() for n in r.accepted_lengths) == drafter.cfg.block_size
+    monkeypatch.setattr(contract.Dims, "kv_tokens_per_step", property(lambda self: self.max_path_len + self.max_decoding_tokens - 1))
+    holder = run(1)
+    with pytest.raises(IndexError, match="past the .* KV slots the runtime allocated"):
+        holder.run()
 
 
 def test_chain_packed_mask_is_causal_bit_for_bit():

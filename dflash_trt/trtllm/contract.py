@@ -9,9 +9,9 @@ inputs and consumes the outputs listed here; docs/engine-path.md cites where it 
 Both the TensorRT-LLM model class (`trtllm/model.py`, built by trtllm-build) and the CPU emulation
 (`trtllm/emulation.py`) take their names, dtypes and shapes from this module only.
 
-Shapes use: B = requests in the call, T = tokens in the call (packed, no padding), K = max_draft_len
-(block_size - 1), D = K + 1 (max_decoding_tokens), P = K + 1 (max_path_len: a one-path tree of K drafts
-plus its root), W = ceil(D / 32) (packed-mask words), M = max blocks per sequence.
+Shapes use K = max_draft_len (block_size - 1), D = K + 1 (max_decoding_tokens), P = num_eagle_layers + 1
+(max_path_len; a one-path tree of K drafts plus its root needs num_eagle_layers = K), W = ceil(D / 32)
+(packed-mask words), M = blocks per sequence, V = vocabulary; the per-call sizes are described at INPUTS.
 """
 
 from __future__ import annotations
@@ -27,26 +27,27 @@ CONTEXT, GENERATION = 0, 1
 @dataclass(frozen=True)
 class Io:
     name: str
-    dtype: str  # "int32" | "float32" | "dtype" (the engine's activation dtype)
+    dtype: str  # "int32" | "float32"
     shape: str
     host: bool = False
 
 
-# The inputs our engine reads. The runtime fills more for EAGLE (the EagleNet host tensors, dynamic-tree
-# tensors, posterior_*); the engine declares those too (EAGLE_UNUSED_INPUTS) so that every tensor the
-# runtime sets exists in the engine, and ignores them.
+# The inputs our engine reads, as the runtime fills them (docs/engine-path.md, "What the runtime feeds the engine").
+# B requests, context rows first; G of them generation requests; N tokens in input_ids (a context row's prompt, a
+# generation row's [last token, drafts]); Q = context tokens + G (a generation row has ONE position id, N - 1:
+# the engine adds spec_decoding_position_offsets); R = logits rows (1 per context row, 1 + drafts per generation row).
 INPUTS: tuple[Io, ...] = (
-    Io("input_ids", "int32", "[T]"),
-    Io("position_ids", "int32", "[T]"),
-    Io("last_token_ids", "int32", "[B]"),
+    Io("input_ids", "int32", "[N]"),
+    Io("position_ids", "int32", "[Q]"),
+    Io("last_token_ids", "int32", "[R]"),
     Io("host_request_types", "int32", "[B]", host=True),
     Io("host_context_lengths", "int32", "[B]", host=True),
     Io("host_past_key_value_lengths", "int32", "[B]", host=True),
     Io("sequence_length", "int32", "[B]"),
     Io("kv_cache_block_offsets", "int32", "[1, B, 2, M]"),
-    Io("spec_decoding_generation_lengths", "int32", "[B]"),
-    Io("spec_decoding_position_offsets", "int32", "[B, D]"),
-    Io("spec_decoding_packed_mask", "int32", "[B, D, W]"),
+    Io("spec_decoding_generation_lengths", "int32", "[G]"),
+    Io("spec_decoding_position_offsets", "int32", "[G, D]"),
+    Io("spec_decoding_packed_mask", "int32", "[GD, W]"),
     Io("draft_tokens", "int32", "[B, K]"),
     Io("draft_lens", "int32", "[B]"),
     Io("draft_paths", "int32", "[B, D, P]"),
@@ -56,18 +57,29 @@ INPUTS: tuple[Io, ...] = (
     Io("rand_data_validation", "float32", "[B, D]"),
 )
 
-EAGLE_UNUSED_INPUTS: tuple[str, ...] = (
-    "posterior_alpha", "posterior_threshold",
+# Every tensor the runtime binds for an EAGLE engine (EagleBuffers::insertInputTensors); an engine input outside
+# this set and the base model's standard inputs makes TllmRuntime throw "Input tensor ... not found". Our
+# engine declares only what it reads.
+EAGLE_RUNTIME_INPUTS: frozenset[str] = frozenset((
+    "greedy_sampling", "eagle_temperature", "posterior_alpha", "posterior_threshold", "spec_decoding_generation_lengths",
+    "spec_decoding_position_offsets", "spec_decoding_packed_mask", "rand_data_sample", "rand_data_validation",
+    "draft_tokens", "draft_lens", "draft_paths",
     "host_ctx_eagle_net_request_types", "host_ctx_eagle_net_context_lengths", "host_ctx_eagle_net_past_key_value_lengths",
     "host_gen_eagle_net_request_types", "host_gen_eagle_net_context_lengths", "host_gen_eagle_net_past_key_value_lengths",
     "input_gen_tokens", "chunked_context_next_tokens", "use_dynamic_tree", "spec_decoding_use", "dynamic_tree_max_topK",
     "prev_scores", "current_expand_indices", "all_layers_scores", "all_layers_draft_token_ids",
     "all_layers_draft_token_ids_predecessor",
-)
+))
+# The base decoder's inputs we read (tensorrt_llm's prepare_inputs declares them for every paged-KV engine).
+BASE_INPUTS: frozenset[str] = frozenset((
+    "input_ids", "position_ids", "last_token_ids", "host_request_types", "host_context_lengths",
+    "host_past_key_value_lengths", "sequence_length", "kv_cache_block_offsets",
+))
 
 OUTPUTS: tuple[Io, ...] = (
+    Io("logits", "float32", "[R, V]"),  # bound and dtype-read by the runtime; the Eagle decoder never reads it
     Io("accepted_tokens", "int32", "[B, P]"),
-    Io("num_accepted_tokens", "int32", "[B]"),
+    Io("num_accepted_tokens", "int32", "[B]"),  # bonus included: 1 for a context row, 1..drafts+1 otherwise
     Io("accepted_paths", "int32", "[B]"),
     Io("next_draft_tokens", "int32", "[B, K]"),
     Io("next_draft_lens", "int32", "[B]"),
@@ -81,7 +93,8 @@ TORCH_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 
 @dataclass(frozen=True)
 class Dims:
-    """The build-time sizes of the contract for a drafter of `block_size`."""
+    """The build-time sizes of the contract for a drafter of `block_size`: K = block_size - 1 drafts as a chain,
+    `num_eagle_layers` = K (the path length of a K-draft chain is K + 1 = num_eagle_layers + 1)."""
 
     block_size: int
 
@@ -90,36 +103,47 @@ class Dims:
         return self.block_size - 1
 
     @property
+    def num_eagle_layers(self) -> int:
+        return self.max_draft_len
+
+    @property
     def max_decoding_tokens(self) -> int:  # D
-        return self.block_size
+        return self.max_draft_len + 1
 
     @property
     def max_path_len(self) -> int:  # P
-        return self.block_size
+        return self.num_eagle_layers + 1
 
     @property
     def packed_mask_words(self) -> int:  # W
         return -(-self.max_decoding_tokens // 32)
 
-    def sizes(self, batch: int, tokens: int, max_blocks: int) -> dict[str, int]:
-        return {"B": batch, "T": tokens, "K": self.max_draft_len, "D": self.max_decoding_tokens, "P": self.max_path_len,
-                "W": self.packed_mask_words, "M": max_blocks}
+    @property
+    def kv_tokens_per_step(self) -> int:
+        """Tokens of KV blocks the runtime adds to a request before each call (maxPathLen + maxDecodingTokens)."""
+        return self.max_path_len + self.max_decoding_tokens
+
+    def sizes(self, batch: int, generation: int, tokens: int, max_blocks: int, vocab: int, drafts: int) -> dict[str, int]:
+        """`drafts`: the sum of the generation rows' draft lengths."""
+        context = batch - generation
+        return {"B": batch, "G": generation, "N": tokens, "Q": tokens - drafts, "R": context + generation + drafts,
+                "K": self.max_draft_len, "D": self.max_decoding_tokens, "P": self.max_path_len, "W": self.packed_mask_words,
+                "GD": generation * self.max_decoding_tokens, "M": max_blocks, "V": vocab}
 
 
 def shape_of(io: Io, sizes: dict[str, int]) -> tuple[int, ...]:
     return tuple(int(d) if d.isdigit() else sizes[d] for d in io.shape.strip("[]").split(", "))
 
 
-def check_io(tensors: dict[str, torch.Tensor], table: tuple[Io, ...], sizes: dict[str, int], activation_dtype: torch.dtype, side: str) -> None:
-    """Every tensor of `table` is present with exactly its shape and dtype (what TensorRT would check at bind time)."""
+def check_io(tensors: dict[str, torch.Tensor], table: tuple[Io, ...], sizes: dict[str, int], side: str) -> None:
+    """Every tensor of `table` is present with exactly its shape and dtype (what TensorRT checks at bind time)."""
     for io in table:
         if io.name not in tensors:
             raise ValueError(f"{side}: missing engine tensor {io.name!r}")
         t = tensors[io.name]
-        want_dtype = activation_dtype if io.dtype == "dtype" else TORCH_DTYPES[io.dtype]
-        want_shape = shape_of(io, sizes)
-        if t.dtype != want_dtype or tuple(t.shape) != want_shape:
-            raise ValueError(f"{side}: {io.name} is {t.dtype} {tuple(t.shape)}, the contract says {want_dtype} {want_shape}")
+        want = (TORCH_DTYPES[io.dtype], shape_of(io, sizes))
+        if (t.dtype, tuple(t.shape)) != want:
+            raise ValueError(f"{side}: {io.name} is {t.dtype} {tuple(t.shape)}, the contract says {want[0]} {want[1]}")
 
 
 def chain_paths(dims: Dims, batch: int) -> torch.Tensor:
@@ -136,7 +160,8 @@ def chain_position_offsets(dims: Dims, batch: int) -> torch.Tensor:
 
 
 def chain_packed_mask(dims: Dims, batch: int) -> torch.Tensor:
-    """[B, D, W] int32: bit j of row i set when block token i may attend block token j; a chain is causal."""
+    """[B, D, W] int32: bit j of row i set when verify token i may attend verify token j; a chain is causal.
+    (The runtime passes the generation rows' masks flattened, [G·D, W].)"""
     d = dims.max_decoding_tokens
     mask = torch.zeros(batch, d, dims.packed_mask_words, dtype=torch.int64)
     for i in range(d):

@@ -57,38 +57,24 @@ class KVBlockPool:
 
 
 class _LayerSlots:
-    """One layer's K or V of the pool, as the torch models index a cache: flat slot = block * tokens_per_block
-    + offset; slots from `len(pool slots)` on are dense scratch rows (the draft block's own K/V, which stay in
-    the engine's workspace and never touch the pool)."""
+    """One layer's K or V of the pool, indexed as the torch models index a cache: flat slot = block *
+    tokens_per_block + offset in the block."""
 
-    def __init__(self, pool: KVBlockPool, layer: int, kv: int, scratch: torch.Tensor | None = None):
+    def __init__(self, pool: KVBlockPool, layer: int, kv: int):
         self.blocks = pool.data[:, layer, kv]  # [blocks, heads, tokens, dim], a view
         self.tpb = pool.tokens_per_block
-        self.pool_slots = pool.num_blocks * self.tpb
-        self.scratch = scratch
-        nkv, hd = self.blocks.shape[1], self.blocks.shape[3]
-        self.shape = (self.pool_slots + (0 if scratch is None else scratch.shape[0]), nkv, hd)
+        self.shape = (pool.num_blocks * self.tpb, self.blocks.shape[1], self.blocks.shape[3])
         self.dtype = pool.data.dtype
 
     def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(len(slots), self.shape[1], self.shape[2], dtype=self.dtype)
-        inside = slots < self.pool_slots
-        s = slots[inside]
-        out[inside] = self.blocks[s // self.tpb, :, s % self.tpb]
-        if self.scratch is not None:
-            out[~inside] = self.scratch[slots[~inside] - self.pool_slots]
-        return out
+        return self.blocks[slots // self.tpb, :, slots % self.tpb]
 
     def __setitem__(self, slots: torch.Tensor, value: torch.Tensor) -> None:
-        inside = slots < self.pool_slots
-        s = slots[inside]
-        self.blocks[s // self.tpb, :, s % self.tpb] = value[inside].to(self.dtype)
-        if self.scratch is not None:
-            self.scratch[slots[~inside] - self.pool_slots] = value[~inside].to(self.dtype)
+        self.blocks[slots // self.tpb, :, slots % self.tpb] = value.to(self.dtype)
 
 
 class _Layers:
-    """Several layers' `_LayerSlots`, indexed like a `[layers, slots, heads, dim]` cache (kv_inject's `k_cache`)."""
+    """Consecutive layers' `_LayerSlots`, indexed like a `[layers, slots, heads, dim]` cache (kv_inject's `k_cache`)."""
 
     def __init__(self, layers: list[_LayerSlots]):
         self.layers = layers
@@ -107,10 +93,14 @@ class _Layers:
 
 @dataclass
 class _PoolCache:
-    """What TargetModel / DFlashDrafter read as `cache.k` / `cache.v`."""
+    """What TargetModel / DFlashDrafter read as `cache.k` / `cache.v`: layers [first, first + count) of the pool."""
 
     k: _Layers
     v: _Layers
+
+    @staticmethod
+    def of(pool: KVBlockPool, first: int, count: int) -> "_PoolCache":
+        return _PoolCache(*(_Layers([_LayerSlots(pool, layer, kv) for layer in range(first, first + count)]) for kv in (0, 1)))
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: float) -> int:
@@ -124,102 +114,115 @@ class DFlashEngine:
     a row's proposals after the drafter ran (the oracle drafters of the lossless tests)."""
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter, pool: KVBlockPool, draft_filter=None):
+        for key, ours, theirs in (("num_key_value_heads", drafter.cfg.num_kv_heads, target.cfg.num_kv_heads), ("head_dim", drafter.cfg.head_dim, target.cfg.head_dim)):
+            if ours != theirs:  # one pool, no variable GQA (trtGptModelInflightBatching's start-up checks)
+                raise ConfigError(f"the drafter's layers live in the target's KV pool: {key} {ours} != the target's {theirs}", file=drafter.cfg.path, key=key)
         self.target, self.drafter, self.pool = target, drafter, pool
         self.dims = Dims(drafter.cfg.block_size)
         self.num_target_layers = target.cfg.num_layers
-        for key, ours, theirs in (("num_key_value_heads", drafter.cfg.num_kv_heads, target.cfg.num_kv_heads), ("head_dim", drafter.cfg.head_dim, target.cfg.head_dim)):
-            if ours != theirs:
-                raise ConfigError(f"the drafter's layers live in the target's KV pool: {key} {ours} != the target's {theirs}", file=drafter.cfg.path, key=key)
         if pool.num_layers != self.num_target_layers + drafter.cfg.num_layers:
             raise ValueError(f"the pool has {pool.num_layers} layers; target {self.num_target_layers} + drafter {drafter.cfg.num_layers} needed")
         self.draft_head, self.draft_ids = draft_vocab_head(target.lm_head_weight, drafter.d2t)
         self.draft_filter = draft_filter
-
-    def _cache(self, first: int, count: int, scratch_rows: int = 0) -> _PoolCache:
-        def layers(kv: int) -> _Layers:
-            views = []
-            for layer in range(first, first + count):
-                scratch = torch.zeros(scratch_rows, *self.pool.data.shape[3:4], self.pool.data.shape[5], dtype=self.pool.data.dtype) if scratch_rows else None
-                views.append(_LayerSlots(self.pool, layer, kv, scratch))
-            return _Layers(views)
-
-        return _PoolCache(layers(0), layers(1))
+        self._target_cache = _PoolCache.of(pool, 0, self.num_target_layers)
+        self._drafter_cache = _PoolCache.of(pool, self.num_target_layers, drafter.cfg.num_layers)
 
     def _slots(self, offsets: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Flat slots of positions [start, end) of one request, from its row of kv_cache_block_offsets (K half)."""
-        blocks = torch.tensor([self.pool.block_of(int(o)) for o in offsets[0]], dtype=torch.long)
-        pos = torch.arange(start, end)
+        """Flat slots of positions [start, end) of one request, from its row of kv_cache_block_offsets (K half).
+        A position past the request's blocks is an error: the engine may only write what the runtime allocated."""
+        blocks = [self.pool.block_of(int(o)) for o in offsets[0] if int(o) >= 0]
         tpb = self.pool.tokens_per_block
-        return blocks[pos // tpb] * tpb + pos % tpb
+        if end > len(blocks) * tpb:
+            raise IndexError(f"position {end - 1} is past the {len(blocks) * tpb} KV slots the runtime allocated")
+        pos = torch.arange(start, end)
+        return torch.tensor(blocks, dtype=torch.long)[pos // tpb] * tpb + pos % tpb
 
     @torch.inference_mode()
     def __call__(self, io: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         dims, K = self.dims, self.dims.max_draft_len
-        batch = len(io["host_request_types"])
-        sizes = dims.sizes(batch, len(io["input_ids"]), io["kv_cache_block_offsets"].shape[-1])
-        contract.check_io(io, contract.INPUTS, sizes, self.target.lm_head_weight.dtype, "engine input")
         types = io["host_request_types"].tolist()
-        past = io["host_past_key_value_lengths"].tolist()
-        lens = [int(io["host_context_lengths"][b]) if types[b] == CONTEXT else int(io["spec_decoding_generation_lengths"][b]) for b in range(batch)]
-        if sum(lens) != sizes["T"]:
-            raise ValueError(f"engine input: input_ids has {sizes['T']} tokens, the requests' lengths sum to {sum(lens)}")
+        batch, gen = len(types), types.count(GENERATION)
+        context = batch - gen
+        if types != [CONTEXT] * context + [GENERATION] * gen:
+            raise ValueError("engine input: context rows must come before generation rows")
+        drafts_in = io["draft_lens"].tolist()
+        sizes = dims.sizes(batch, gen, len(io["input_ids"]), io["kv_cache_block_offsets"].shape[-1], self.target.cfg.vocab_size, sum(drafts_in[context:]))
+        contract.check_io(io, contract.INPUTS, sizes, "engine input")
         offsets = io["kv_cache_block_offsets"][0]
+        past = io["host_past_key_value_lengths"].tolist()
+        position_ids = io["position_ids"].tolist()
+        # Rows: a context row's chunk starts at past − chunk; a generation row's tokens are [last, drafts] at the
+        # position N − 1 the runtime gives, plus each token's depth in the tree (spec_decoding_position_offsets).
+        starts, lens, positions, q = [], [], [], 0
         for b in range(batch):
-            if types[b] == GENERATION:
-                self._check_chain(io, b)
+            if b < context:
+                n = int(io["host_context_lengths"][b])
+                start, row_positions = past[b] - n, position_ids[q : q + n]
+                q += n
+            else:
+                g = b - context
+                n = int(io["spec_decoding_generation_lengths"][g])
+                self._check_chain(io, b, g, n)
+                start = past[b]
+                row_positions = [position_ids[q] + int(d) for d in io["spec_decoding_position_offsets"][g, :n]]
+                q += 1
+            if row_positions != list(range(start, start + n)):
+                raise ValueError(f"engine input: row {b}'s positions {row_positions} are not [{start}, {start + n})")
+            starts.append(start)
+            lens.append(n)
+            positions += row_positions
+        if sum(lens) != sizes["N"]:
+            raise ValueError(f"engine input: input_ids has {sizes['N']} tokens, the rows' lengths sum to {sum(lens)}")
 
         # 1. Target over every scheduled token; K/V into the target layers of the pool.
-        tokens = io["input_ids"].long()
-        kv_slots = [self._slots(offsets[b], 0, past[b] + lens[b]) for b in range(batch)]
-        attn = AttentionBatch.build(past, lens, kv_slots, torch.cat([s[p:] for s, p in zip(kv_slots, past)]), "cpu")
-        if not torch.equal(attn.positions, io["position_ids"].long()):
-            raise ValueError("engine input: position_ids are not past_key_value_length + [0, n) per request")
-        target_cache = self._cache(0, self.num_target_layers)
-        logits, features = self.target(tokens, attn, target_cache, tuple(self.drafter.cfg.target_layer_ids))
+        kv_slots = [self._slots(offsets[b], 0, starts[b] + lens[b]) for b in range(batch)]
+        attn = AttentionBatch.build(starts, lens, kv_slots, torch.cat([s[p:] for s, p in zip(kv_slots, starts)]), "cpu")
+        logits, features = self.target(io["input_ids"].long(), attn, self._target_cache, tuple(self.drafter.cfg.target_layer_ids))
         rows = torch.tensor([0] + lens).cumsum(0).tolist()
 
-        # 2. Accept the previous drafts (generation) or take the first token (context).
+        # 2. Accept the previous drafts (generation rows) or take the first token (context rows).
         accepted = torch.zeros(batch, dims.max_path_len, dtype=torch.int32)
         num_accepted = torch.zeros(batch, dtype=torch.int32)
-        kept = []  # target-cache tokens of this call whose features the drafter keeps
-        greedy = bool(io["greedy_sampling"][0])
+        kept = []  # this call's tokens whose target K/V stay: their features go to the drafter
         for b in range(batch):
             scores = logits[rows[b] : rows[b + 1]]
-            if types[b] == CONTEXT:
+            greedy = bool(io["greedy_sampling"][0]) or float(io["eagle_temperature"][b]) == 0.0
+            if b < context:
                 new = [self._first_token(scores[-1], greedy, io, b)]
                 kept.append(lens[b])
             else:
                 new = self._accept(scores, io, b, greedy)
-                kept.append(len(new))  # the root and the accepted drafts have target K/V now
+                kept.append(len(new))  # the root and the accepted drafts
             accepted[b, : len(new)] = torch.tensor(new, dtype=torch.int32)
             num_accepted[b] = len(new)
 
         # 3. KV injection: the kept tokens' target features → every drafter layer's K/V at their positions.
-        n_draft = self.drafter.cfg.num_layers
         keep_rows = torch.cat([torch.arange(rows[b], rows[b] + kept[b]) for b in range(batch)])
-        write = torch.cat([self._slots(offsets[b], past[b], past[b] + kept[b]) for b in range(batch)])
-        drafter_cache = self._cache(self.num_target_layers, n_draft, scratch_rows=batch * dims.block_size)
+        write = torch.cat([self._slots(offsets[b], starts[b], starts[b] + kept[b]) for b in range(batch)])
         ctx = self.drafter.hidden_norm(self.drafter.fc(features[keep_rows].to(self.drafter.fc.weight.dtype)))
         kv = torch.nn.functional.linear(ctx, self.drafter.ctx_kv_weight, self.drafter.ctx_kv_bias)
-        cos, sin = self.drafter.rotary(io["position_ids"].long()[keep_rows], kv.dtype)
-        kv_inject_reference(kv, self.drafter.ctx_k_norm, cos, sin, write, drafter_cache.k, drafter_cache.v, self.drafter.cfg.rms_norm_eps)
+        cos, sin = self.drafter.rotary(torch.tensor(positions)[keep_rows], kv.dtype)
+        cache = self._drafter_cache
+        kv_inject_reference(kv, self.drafter.ctx_k_norm, cos, sin, write, cache.k, cache.v, self.drafter.cfg.rms_norm_eps)
 
-        # 4. One block pass: [last accepted, mask × K] at the positions after the kept tokens.
-        starts = [past[b] + kept[b] for b in range(batch)]
+        # 4. One block pass: [last accepted, mask × K] right after the kept tokens. Its own K/V go to the drafter
+        #    layers at those positions (scratch: the next call's injection overwrites what it keeps).
         block = dims.block_size
-        scratch = drafter_cache.k[0].pool_slots
-        block_kv = [torch.cat([self._slots(offsets[b], 0, starts[b]), scratch + b * block + torch.arange(block)]) for b in range(batch)]
-        block_batch = AttentionBatch.build(starts, [block] * batch, block_kv, scratch + torch.arange(batch * block), "cpu")
+        block_starts = [starts[b] + kept[b] for b in range(batch)]
+        block_kv = [self._slots(offsets[b], 0, block_starts[b] + block) for b in range(batch)]
+        block_batch = AttentionBatch.build(block_starts, [block] * batch, block_kv, torch.cat([s[p:] for s, p in zip(block_kv, block_starts)]), "cpu")
         mask = self.drafter.cfg.mask_token_id
         block_ids = torch.tensor([t for b in range(batch) for t in [int(accepted[b, num_accepted[b] - 1])] + [mask] * K])
-        hidden = self.drafter(self.target.embed(block_ids), block_batch, drafter_cache)
+        hidden = self.drafter(self.target.embed(block_ids), block_batch, cache)
         slot_rows = torch.cat([torch.arange(b * block + 1, (b + 1) * block) for b in range(batch)])
         best = torch.nn.functional.linear(hidden[slot_rows], self.draft_head).argmax(-1)
         drafts = (best if self.draft_ids is None else self.draft_ids[best]).view(batch, K)
         if self.draft_filter is not None:
-            drafts = torch.stack([torch.tensor(self.draft_filter(b, starts[b], drafts[b].tolist()), dtype=torch.long) for b in range(batch)])
+            drafts = torch.stack([torch.tensor(self.draft_filter(b, block_starts[b], drafts[b].tolist()), dtype=torch.long) for b in range(batch)])
 
+        logit_rows = torch.cat([torch.tensor([rows[b + 1] - 1]) if b < context else torch.arange(rows[b], rows[b + 1]) for b in range(batch)])
         out = {
+            "logits": logits[logit_rows].float(),
             "accepted_tokens": accepted,
             "num_accepted_tokens": num_accepted,
             "accepted_paths": torch.zeros(batch, dtype=torch.int32),  # the one path
@@ -227,18 +230,19 @@ class DFlashEngine:
             "next_draft_lens": torch.full((batch,), K, dtype=torch.int32),
             "next_draft_paths": contract.chain_paths(dims, batch),
         }
-        contract.check_io(out, contract.OUTPUTS, sizes, self.target.lm_head_weight.dtype, "engine output")
+        contract.check_io(out, contract.OUTPUTS, sizes, "engine output")
         return out
 
-    def _check_chain(self, io, b: int) -> None:
+    def _check_chain(self, io, b: int, g: int, n: int) -> None:
         dims = self.dims
-        n = int(io["draft_lens"][b])
-        if int(io["spec_decoding_generation_lengths"][b]) != n + 1:
-            raise ValueError(f"engine input: request {b} has {n} drafts but spec_decoding_generation_lengths {int(io['spec_decoding_generation_lengths'][b])}")
+        drafts = int(io["draft_lens"][b])
+        if n != drafts + 1:
+            raise ValueError(f"engine input: row {b} has {drafts} drafts but spec_decoding_generation_lengths {n}")
         if not torch.equal(io["draft_paths"][b], contract.chain_paths(dims, 1)[0]):
-            raise ValueError(f"engine input: draft_paths of request {b} is not the one-path tree this engine proposes")
-        if not torch.equal(io["spec_decoding_packed_mask"][b], contract.chain_packed_mask(dims, 1)[0]):
-            raise ValueError(f"engine input: spec_decoding_packed_mask of request {b} is not the chain's (causal) mask")
+            raise ValueError(f"engine input: draft_paths of row {b} is not the one-path tree this engine proposes")
+        mask = io["spec_decoding_packed_mask"].view(-1, dims.max_decoding_tokens, dims.packed_mask_words)[g]
+        if not torch.equal(mask, contract.chain_packed_mask(dims, 1)[0]):
+            raise ValueError(f"engine input: spec_decoding_packed_mask of row {b} is not the chain's (causal) mask")
 
     def _first_token(self, logits: torch.Tensor, greedy: bool, io, b: int) -> int:
         if greedy:
@@ -275,11 +279,16 @@ class _Request:
     max_new_tokens: int
     end_ids: frozenset[int]
     temperature: float
-    generator: torch.Generator
+    curand: torch.Generator  # the slot's curand state, seeded by the request's random seed
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    kv_tokens: int = 0  # what the KV manager counts for the request (addToken / removeToken)
     drafts: list[int] = field(default_factory=list)  # the previous call's next_draft_tokens[:next_draft_lens]
-    drafts_fed: list[list[int]] = field(default_factory=list)  # per generation step (the test's record)
+    paths: torch.Tensor | None = None  # the previous call's next_draft_paths[row]
+    paths_in: torch.Tensor | None = None  # the draft_paths this call was fed (the KV move reads them)
+    rand_sample: float = 0.0
+    rand_validation: torch.Tensor | None = None
+    drafts_fed: list[list[int]] = field(default_factory=list)  # per generation step (the tests' record)
     accepted_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -298,11 +307,17 @@ class Response:
 
 
 class EagleRuntime:
-    """The C++ runtime's side of DecodingMode::Eagle with in-flight batching over one engine call per iteration.
+    """The C++ runtime's side of DecodingMode::Eagle, one fused engine call per iteration (docs/engine-path.md):
 
-    KV: a request reserves the blocks of its worst case (prompt + max_new_tokens + a step's over-allocation)
-    when it is scheduled (the GUARANTEED_NO_EVICT policy), and holds exactly the blocks its kept length and the
-    next call need; after each call the target layers are rewound to the kept length."""
+    - a request joins (context) when a batch slot and its worst-case KV blocks are free; its slot state is set up
+      before the call: temperature, a curand state from its seed, `rand_data_sample` (not `rand_data_validation`);
+    - KV: the first call adds prompt + P + D tokens, every generation call P + D more; after the call the target
+      layers' accepted drafts are moved along the best path next to the root (a no-op for a chain: they are in
+      place), then (D + P − 1) − (accepted − 1) tokens are removed; the drafter layers' KV is the engine's;
+    - the outputs: `accepted_tokens[:num_accepted_tokens]` are appended (1 ≤ n ≤ drafts + 1, exactly 1 for a context
+      row), stop rules apply, `next_draft_*` become the next call's `draft_*` and generation tokens, and fresh
+      uniforms are drawn (`rand_data_sample`, D of `rand_data_validation`).
+    `greedy_sampling` is one flag for the executor (EagleConfig.greedy_sampling)."""
 
     def __init__(self, engine: DFlashEngine, max_batch: int = 8, greedy: bool = True):
         self.engine, self.pool, self.dims = engine, engine.pool, engine.dims
@@ -315,55 +330,81 @@ class EagleRuntime:
         self._next_id = 0
 
     def enqueue_request(self, prompt: list[int], max_new_tokens: int, end_ids=(), temperature: float = 1.0, seed: int = 0) -> int:
-        if not self.greedy and temperature <= 0:
-            raise ValueError("a sampling executor needs temperature > 0 (greedy requests go to a greedy_sampling executor)")
         rid = self._next_id
         self._next_id += 1
         self.waiting.append(_Request(rid, list(prompt), max_new_tokens, frozenset(end_ids), temperature, torch.Generator().manual_seed(seed)))
         return rid
 
     def _worst_case_blocks(self, r: _Request) -> int:
-        return self.pool.blocks_for(len(r.prompt) + r.max_new_tokens + self.dims.max_decoding_tokens + self.dims.max_path_len - 1)
+        return self.pool.blocks_for(len(r.prompt) + r.max_new_tokens + self.dims.kv_tokens_per_step)
 
-    def _hold(self, r: _Request, num_tokens: int) -> None:
-        """Blocks for exactly `num_tokens` positions (allocate or give back)."""
-        need = self.pool.blocks_for(num_tokens)
+    def _set_kv_tokens(self, r: _Request, count: int) -> None:
+        """addToken / removeToken until the request counts `count` tokens; blocks follow (last one released
+        when a removal crosses a block boundary)."""
+        r.kv_tokens = count
+        need = self.pool.blocks_for(count)
         while len(r.blocks) < need:
             r.blocks.append(self.pool.free.pop())
         while len(r.blocks) > need:
             self.pool.free.append(r.blocks.pop())
 
     def step(self) -> None:
-        # Scheduling: running generation requests, plus new context requests while slots and blocks last.
         new: list[_Request] = []
         while self.waiting and len(self.active) + len(new) < self.max_batch:
             worst = self._worst_case_blocks(self.waiting[0])
             if self.reserved + worst > self.pool.num_blocks:
                 break
             self.reserved += worst
-            new.append(self.waiting.popleft())
+            r = self.waiting.popleft()
+            r.rand_sample = float(torch.rand((), generator=r.curand))  # decoder setup: rand_data_sample only
+            r.rand_validation = torch.zeros(self.dims.max_decoding_tokens)  # stale slot contents
+            self._set_kv_tokens(r, len(r.prompt) + self.dims.kv_tokens_per_step)
+            new.append(r)
         if not new and not self.active:
             if self.waiting:
                 raise RuntimeError("the KV pool cannot hold the next request")
             return
-        batch = new + self.active  # context requests first
+        for r in self.active:
+            self._set_kv_tokens(r, r.kv_tokens + self.dims.kv_tokens_per_step)
+        batch = new + self.active  # context rows first
         self.batch_request_ids = [r.request_id for r in batch]
         io = self._inputs(new, self.active)
         out = self.engine(io)
-        self.active = batch
         for b, r in enumerate(batch):
-            tokens = out["accepted_tokens"][b, : int(out["num_accepted_tokens"][b])].tolist()
-            kept = self._append(r, tokens)
+            n = int(out["num_accepted_tokens"][b])
+            drafts_in = 0 if b < len(new) else len(r.drafts)
+            if not 1 <= n <= drafts_in + 1:
+                raise RuntimeError(f"num_accepted_tokens {n} of request {r.request_id} is outside [1, {drafts_in + 1}]")
+            tokens = out["accepted_tokens"][b, :n].tolist()
             if b >= len(new):
-                r.accepted_lengths.append(kept)
+                self._move_accepted_kv(r, int(out["accepted_paths"][b]), n)
+                r.accepted_lengths.append(self._append(r, tokens))
+            else:
+                self._append(r, tokens)
+            self._set_kv_tokens(r, r.kv_tokens - ((self.dims.max_decoding_tokens + self.dims.max_path_len - 1) - (n - 1)))
             r.drafts = out["next_draft_tokens"][b, : int(out["next_draft_lens"][b])].tolist()
-            # Rewind: every committed token but the last has target K/V.
-            self._hold(r, r.num_tokens - 1)
+            r.paths = out["next_draft_paths"][b].clone()
+            r.rand_sample = float(torch.rand((), generator=r.curand))
+            r.rand_validation = torch.rand(self.dims.max_decoding_tokens, generator=r.curand)
+        self.active = batch
         for r in [r for r in self.active if r.finish_reason is not None]:
             self.active.remove(r)
-            self._hold(r, 0)
+            self._set_kv_tokens(r, 0)
             self.reserved -= self._worst_case_blocks(r)
             self.done[r.request_id] = Response(r.request_id, r.output, r.finish_reason, r.accepted_lengths, r.drafts_fed)
+
+    def _move_accepted_kv(self, r: _Request, best_path: int, n: int) -> None:
+        """invokeUpdateKVBlockArrayDraftTokenLocation on the target layers: accepted draft i (tree index
+        paths[best][i + 1]) moves from position N − 1 + tree index to N + i (N = tokens before the call)."""
+        N = r.num_tokens
+        path = r.paths_in[best_path]
+        layers = self.engine.num_target_layers
+        tpb = self.pool.tokens_per_block
+        for i in range(n - 1):
+            src, dst = N - 1 + int(path[i + 1]), N + i
+            if src != dst:
+                for kv in (0, 1):
+                    self.pool.data[r.blocks[dst // tpb], :layers, kv, :, dst % tpb] = self.pool.data[r.blocks[src // tpb], :layers, kv, :, src % tpb]
 
     def _append(self, r: _Request, tokens: list[int]) -> int:
         kept = 0
@@ -379,57 +420,60 @@ class EagleRuntime:
         return kept
 
     def _inputs(self, context: list[_Request], generation: list[_Request]) -> dict[str, torch.Tensor]:
-        dims, K = self.dims, self.dims.max_draft_len
+        dims, K, D = self.dims, self.dims.max_draft_len, self.dims.max_decoding_tokens
         batch = context + generation
         i32 = torch.int32
-        ids, positions, types, ctx_lens, past, gen_lens, draft_lens = [], [], [], [], [], [], []
-        drafts = torch.zeros(len(batch), K, dtype=i32)
+        ids, positions, ctx_lens, past, seq_lens, gen_lens, logits_per_row = [], [], [], [], [], [], []
+        drafts = torch.full((len(batch), K), -1, dtype=i32)  # context rows: -1
+        draft_lens = torch.zeros(len(batch), dtype=i32)
+        paths = contract.chain_paths(dims, len(batch))  # a new request's tree: the engine's one path (eagle_choices)
         for b, r in enumerate(batch):
             if b < len(context):
-                step_tokens, start = r.prompt, 0
-                self._hold(r, len(r.prompt))
-                gen_lens.append(0)
-                draft_lens.append(0)
+                ids += r.prompt
+                positions += list(range(len(r.prompt)))
+                ctx_lens.append(len(r.prompt))
+                past.append(len(r.prompt))  # begin + chunk
+                seq_lens.append(len(r.prompt))
+                logits_per_row.append(1)
             else:
-                step_tokens, start = [r.output[-1]] + r.drafts, r.num_tokens - 1
-                r.drafts_fed.append(list(r.drafts))
-                self._hold(r, start + dims.max_decoding_tokens + dims.max_path_len - 1)  # EAGLE's over-allocation
-                gen_lens.append(len(step_tokens))
-                draft_lens.append(len(r.drafts))
+                N = r.num_tokens
+                ids += [r.output[-1]] + r.drafts
+                positions.append(N - 1)  # one position per generation row
+                ctx_lens.append(len(r.prompt) + len(r.drafts))
+                past.append(N - 1)
+                seq_lens.append(N + len(r.drafts))
+                gen_lens.append(len(r.drafts) + 1)
+                logits_per_row.append(len(r.drafts) + 1)
                 drafts[b, : len(r.drafts)] = torch.tensor(r.drafts, dtype=i32)
-            ids += step_tokens
-            positions += list(range(start, start + len(step_tokens)))
-            types.append(CONTEXT if b < len(context) else GENERATION)
-            ctx_lens.append(len(r.prompt))
-            past.append(start)
+                draft_lens[b] = len(r.drafts)
+                paths[b] = r.paths
+                r.paths_in = r.paths
+                r.drafts_fed.append(list(r.drafts))
         max_blocks = max(len(r.blocks) for r in batch)
-        offsets = torch.zeros(1, len(batch), 2, max_blocks, dtype=i32)
+        offsets = torch.full((1, len(batch), 2, max_blocks), -1, dtype=i32)
         for b, r in enumerate(batch):
             for kv in (0, 1):
                 offsets[0, b, kv, : len(r.blocks)] = torch.tensor([self.pool.offset(blk, kv) for blk in r.blocks], dtype=i32)
-        rand_validation = torch.stack([torch.rand(dims.max_decoding_tokens, generator=r.generator) for r in batch])
-        rand_sample = torch.stack([torch.rand((), generator=r.generator) for r in batch])
-        n = len(batch)
+        g = len(generation)
         return {
             "input_ids": torch.tensor(ids, dtype=i32),
             "position_ids": torch.tensor(positions, dtype=i32),
-            "last_token_ids": torch.tensor(ctx_lens if not generation else [0] * n, dtype=i32).cumsum(0).to(i32) * 0
-            + torch.tensor([len(r.prompt) if b < len(context) else gen_lens[b] for b, r in enumerate(batch)], dtype=i32).cumsum(0).to(i32),
-            "host_request_types": torch.tensor(types, dtype=i32),
+            "last_token_ids": torch.arange(1, sum(logits_per_row) + 1, dtype=i32),  # every logit row's token (1-based)
+            "host_request_types": torch.tensor([CONTEXT] * len(context) + [GENERATION] * g, dtype=i32),
             "host_context_lengths": torch.tensor(ctx_lens, dtype=i32),
             "host_past_key_value_lengths": torch.tensor(past, dtype=i32),
-            "sequence_length": torch.tensor([p + (len(r.prompt) if b < len(context) else gen_lens[b]) for b, (p, r) in enumerate(zip(past, batch))], dtype=i32),
+            "sequence_length": torch.tensor(seq_lens, dtype=i32),
             "kv_cache_block_offsets": offsets,
             "spec_decoding_generation_lengths": torch.tensor(gen_lens, dtype=i32),
-            "spec_decoding_position_offsets": contract.chain_position_offsets(dims, n),
-            "spec_decoding_packed_mask": contract.chain_packed_mask(dims, n),
+            "spec_decoding_position_offsets": contract.chain_position_offsets(dims, g),
+            "spec_decoding_packed_mask": contract.chain_packed_mask(dims, g).view(g * D, dims.packed_mask_words),
             "draft_tokens": drafts,
-            "draft_lens": torch.tensor(draft_lens, dtype=i32),
-            "draft_paths": contract.chain_paths(dims, n),
+            "draft_lens": draft_lens,
+            "draft_paths": paths,
             "greedy_sampling": torch.tensor([int(self.greedy)], dtype=i32),
             "eagle_temperature": torch.tensor([r.temperature for r in batch], dtype=torch.float32),
-            "rand_data_sample": rand_sample.float(),
-            "rand_data_validation": rand_validation.float(),
+            "rand_data_sample": torch.tensor([r.rand_sample for r in batch], dtype=torch.float32),
+            "rand_data_validation": torch.stack([r.rand_validation for r in batch]).float(),
         }
 
     def run(self) -> dict[int, Response]:
