@@ -161,35 +161,41 @@ def test_plain_tensorrt_parts_build_with_tensorrt_rtx():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed")
-def test_trt_backend_without_tensorrt_llm_fails_clearly(tmp_path):
-    from dflash_trt.trtllm.backend import TrtBackend
+def test_engine_generator_without_tensorrt_llm_fails_clearly(tmp_path):
+    from dflash_trt.trtllm.executor import EngineGenerator
 
     with pytest.raises(api.TensorRTUnavailable, match="tensorrt_llm.*NGC TensorRT-LLM image"):
-        TrtBackend(tmp_path / "no-engines")
+        EngineGenerator(tmp_path / "no-engine")
     assert issubclass(api.TensorRTUnavailable, cli.DFlashError)  # the CLI reports it in one line, exit 2
 
 
-def test_trt_backend_methods_have_the_backend_protocols_signatures():
-    from dflash_trt.speculative import Backend
-    from dflash_trt.trtllm.backend import TrtBackend
+def test_engine_path_refuses_what_its_contract_cannot_carry():
+    """The engine sees only eagle_temperature, and greedy_sampling is one flag per executor."""
+    from dflash_trt.sampling import RequestError, SamplingParams
+    from dflash_trt.trtllm.executor import check_params
 
-    methods = [n for n, v in vars(Backend).items() if not n.startswith("_") and callable(v)]
-    assert {"add_sequence", "release", "prefill", "draft", "verify", "commit"} <= set(methods)
-    for name in methods:
-        assert name in vars(TrtBackend), name
-        assert inspect.signature(getattr(TrtBackend, name)) == inspect.signature(getattr(Backend, name)), name
+    check_params(SamplingParams(), sampling=False)
+    check_params(SamplingParams(temperature=0.7), sampling=True)
+    check_params(SamplingParams(top_p=0.5), sampling=False)  # greedy: top_p is moot
+    with pytest.raises(RequestError, match="sampling=True"):
+        check_params(SamplingParams(temperature=0.7), sampling=False)
+    for bad in (SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7, top_k=5)):
+        with pytest.raises(RequestError, match="top_k / top_p"):
+            check_params(bad, sampling=True)
 
 
-def test_trt_backend_scores_are_the_argmax_and_logits_only_where_asked():
-    from dflash_trt.speculative import Scores
-    from dflash_trt.trtllm.backend import TrtBackend
+def test_eagle_choices_of_a_chain_are_the_one_path_the_engine_proposes():
+    """The runtime builds a new request's draft_paths from eagle_choices; they must be the engine's chain."""
+    from dflash_trt.trtllm import contract
+    from dflash_trt.trtllm.executor import chain_choices
 
-    logits = [torch.randn(3, 11), torch.randn(1, 11)]
-    scores = TrtBackend._scores(logits, [True, False])
-    assert all(isinstance(s, Scores) for s in scores)
-    assert [s.tokens.tolist() for s in scores] == [l.argmax(-1).tolist() for l in logits]
-    assert torch.equal(scores[0].logits, logits[0]) and scores[0].logits.dtype == torch.float32 and scores[1].logits is None
-    assert all(torch.equal(s.logits, l) for s, l in zip(TrtBackend._scores(logits, None), logits))  # None: every sequence
+    dims = contract.Dims(6)
+    choices = chain_choices(dims.max_draft_len)
+    assert max(map(len, choices)) == dims.num_eagle_layers  # the runtime checks tree depth == num_eagle_layers
+    # Node i (1-based, 0 = root) of a Medusa/EAGLE choice tree has path [root, ancestors..., i].
+    nodes = {tuple(c): i + 1 for i, c in enumerate(choices)}
+    path = [0] + [nodes[tuple(choices[-1][:d])] for d in range(1, len(choices[-1]) + 1)]
+    assert path == contract.chain_paths(dims, 1)[0, 0].tolist()
 
 
 def test_build_without_pyyaml_is_one_clear_error(monkeypatch, capsys):

@@ -39,18 +39,16 @@ NAMES: dict[str, str] = {
     "pad_vocab_size": "tensorrt_llm._utils:pad_vocab_size",
     "build_main": "tensorrt_llm.commands.build:main",
     "Builder": "tensorrt_llm.builder:Builder",
-    # -- run time: executor bindings (target engine) and Session (drafter engine) --------------------
+    # -- run time: the executor (DecodingMode::Eagle drives the one engine; executor.py) ---------------------
     "Executor": "tensorrt_llm.bindings.executor:Executor",
     "ExecutorConfig": "tensorrt_llm.bindings.executor:ExecutorConfig",
     "ModelType": "tensorrt_llm.bindings.executor:ModelType",
-    "KvCacheConfig": "tensorrt_llm.bindings.executor:KvCacheConfig",
     "DecodingConfig": "tensorrt_llm.bindings.executor:DecodingConfig",
     "DecodingMode": "tensorrt_llm.bindings.executor:DecodingMode",
+    "EagleConfig": "tensorrt_llm.bindings.executor:EagleConfig",
     "Request": "tensorrt_llm.bindings.executor:Request",
+    "SamplingConfig": "tensorrt_llm.bindings.executor:SamplingConfig",
     "OutputConfig": "tensorrt_llm.bindings.executor:OutputConfig",
-    "AdditionalModelOutput": "tensorrt_llm.bindings.executor:AdditionalModelOutput",
-    "ExternalDraftTokensConfig": "tensorrt_llm.bindings.executor:ExternalDraftTokensConfig",
-    "Session": "tensorrt_llm.runtime.session:Session",
     # -- plain TensorRT (also in tensorrt_rtx, the CPU check) ----------------------------------------
     "trt": "tensorrt:",
     "trt.get_plugin_registry": "tensorrt:get_plugin_registry",
@@ -70,7 +68,8 @@ NAMES: dict[str, str] = {
 # Members called on instances (what the AST scan cannot type-track is at least pinned here).
 MEMBERS: dict[str, tuple[str, ...]] = {
     "Executor": ("enqueue_requests", "await_responses", "shutdown"),
-    "Session": ("from_serialized_engine", "run", "context"),
+    "Response": ("has_error", "error_msg", "request_id", "result"),
+    "Result": ("is_final", "output_token_ids"),
     "PretrainedModel": ("from_checkpoint", "__post_init__"),
     "Tensor": ("mark_output", "trt_tensor", "view"),
     "MODEL_MAP": ("__setitem__", "__getitem__"),
@@ -82,7 +81,6 @@ MEMBERS: dict[str, tuple[str, ...]] = {
     "IPluginCreatorV3One": ("create_plugin",),
     "Builder": ("create_builder_config",),
     "IBuilderConfig": ("set_preview_feature",),
-    "IExecutionContext": ("set_tensor_address",),
 }
 
 
