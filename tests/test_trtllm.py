@@ -133,6 +133,15 @@ def test_dry_run_prints_convert_and_trtllm_build_with_real_flags(capsys):
     assert "--speculative_decoding_mode" not in drafter
 
 
+def test_a_real_build_refuses_clearly_until_the_one_engine_network_exists(capsys):
+    """The two-engine build cannot work on TensorRT-LLM 1.2.1 (docs/engine-path.md): one line, exit 2, nothing run."""
+    qwen = next(p for p in CONFIGS if p.stem.startswith("qwen3"))
+    assert cli.main(["build", "--config", str(qwen), "--out", "OUT"]) == 2
+    captured = capsys.readouterr()
+    assert "EAGLE contract" in captured.err and "docs/engine-path.md" in captured.err
+    assert "+ " not in captured.out
+
+
 def test_gpt_oss_config_validates_but_build_says_convert_lacks_it(capsys):
     path = next(p for p in CONFIGS if p.stem.startswith("gpt-oss"))
     assert build.load_build_config(path).tp == 8
