@@ -10,6 +10,7 @@ import argparse
 import ast
 import importlib.util
 import inspect
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,9 +46,32 @@ def test_every_upstream_name_used_is_listed_and_snapshotted():
     snap = api.snapshot()["names"]
     for short, dotted in api.NAMES.items():
         assert dotted in snap, f"{short} ({dotted}) is not in api_snapshot.json"
-        entry = snap[dotted]
-        assert entry["file"] and entry["signature"], dotted
-        assert entry["commit"] is None or len(entry["commit"]) == 40
+
+
+def _uncited(entry: dict) -> list[str]:
+    """What a snapshot entry lacks of repo, file, line and a full commit."""
+    missing = [key for key in ("repo", "file") if not entry.get(key)]
+    if not (isinstance(entry.get("line"), int) and entry["line"] >= 1):
+        missing.append("line")
+    if not (isinstance(entry.get("commit"), str) and re.fullmatch(r"[0-9a-f]{40}", entry["commit"])):
+        missing.append("commit")
+    return missing
+
+
+def test_every_snapshot_entry_names_file_line_and_commit():
+    snap = api.snapshot()
+    entries = {**snap["names"], "trtllm_build_flags": snap["trtllm_build_flags"], "speculative_config": snap["speculative_config"]}
+    assert len(entries) > 40
+    assert {name: _uncited(e) for name, e in entries.items() if _uncited(e)} == {}
+    assert all(e.get("signature") or e.get("flags") or e.get("keys") for e in entries.values())
+
+
+def test_an_entry_without_line_or_commit_is_noticed():
+    good = {"repo": "NVIDIA/TensorRT-LLM", "file": "f.py", "line": 3, "commit": "a" * 40}
+    assert _uncited(good) == []
+    assert _uncited({**good, "line": None}) == ["line"]
+    assert _uncited({**good, "commit": "b35ac1b6"}) == ["commit"]  # a short hash is not a citation
+    assert _uncited({"signature": "x"}) == ["repo", "file", "line", "commit"]
 
 
 def test_tensorrt_names_are_reached_only_through_api_get():
