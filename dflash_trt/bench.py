@@ -29,10 +29,16 @@ class Method:
     name: str  # "ar", "dflash", ...
     backend: object
     max_verify_tokens: int | None = None  # the Generator's verify budget (None: full blocks at any batch)
+    step_cost: object = None  # draft_length.StepCost: draft length chosen per step (a fresh policy each run)
 
 
 def _run(method: Method, prompts: list[list[int]], eos, max_new: int, concurrency: int):
-    gen = Generator(method.backend, eos_token_ids=eos, max_batch=concurrency, max_verify_tokens=method.max_verify_tokens)
+    policy = None
+    if method.step_cost is not None:
+        from .draft_length import DraftLengthPolicy
+
+        policy = DraftLengthPolicy(method.step_cost, method.backend.max_drafts)
+    gen = Generator(method.backend, eos_token_ids=eos, max_batch=concurrency, max_verify_tokens=method.max_verify_tokens, draft_policy=policy)
     start = time.perf_counter()
     outs = gen.generate(prompts, SamplingParams(max_new_tokens=max_new))
     return outs, time.perf_counter() - start
@@ -190,10 +196,18 @@ def cmd_bench(args) -> int:
         methods.append(Method("eagle3", TorchBackend(target, eagle, num_pages=pages), args.max_verify_tokens))
     if args.drafter:
         drafter = load_drafter(args.drafter, cfg, dtype=DTYPES[args.dtype])
-        methods.append(Method("dflash", TorchBackend(target, drafter, num_pages=pages, block_size=args.block_size), args.max_verify_tokens))
+        dflash = TorchBackend(target, drafter, num_pages=pages, block_size=args.block_size)
+        methods.append(Method("dflash", dflash, args.max_verify_tokens))
+        if args.draft_length == "auto":
+            from .draft_length import auto_policy
+
+            identity = [str(args.target), str(args.drafter), args.dtype, str(dflash.block_size)]
+            policy = auto_policy(dflash, identity, max(concurrency + [1]), progress=not args.quiet)
+            methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, policy.cost))
     eos = generation_eos_ids(args.target, tok, args.tokenizer)
     results = run_bench(methods, prompt_sets, eos, args.max_new_tokens, concurrency, progress=not args.quiet)
     results["setup"] = {"target": str(args.target), "tokenizer": args.tokenizer, "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "block_size": args.block_size,
+                        "step_cost": next((m.step_cost.to_json() for m in methods if m.step_cost is not None), None),
                         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}
     names = [m.name for m in methods]
     header = (f"# dflash-trt bench: {Path(args.target).name}, {args.dtype}, block {args.block_size or 'drafter default'}, "
@@ -220,6 +234,8 @@ def register_cli(sub) -> None:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--block-size", type=int)
     b.add_argument("--max-verify-tokens", type=int, help="DFlash's verify budget per step over the batch (see generate)")
+    b.add_argument("--draft-length", choices=["auto", "fixed"], default="auto",
+                   help="auto: also run 'dflash-auto', DFlash with each step's draft length from the step-cost calibration (see generate)")
     b.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated batch sizes for the sweep ('' to skip)")
     b.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     b.add_argument("--threads", type=int)

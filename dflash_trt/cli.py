@@ -114,7 +114,19 @@ def cmd_generate(args) -> int:
     backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], args.device, pages, args.page_size, args.block_size, args.drafter_type)
     eos = generation_eos_ids(args.target, tokenizer)
     mode = "autoregressive" if drafter_dir is None else f"{args.drafter_type} block={backend.block_size}"
-    return run_generation(args, backend, tokenizer, prompts, eos, target_cfg.max_position_embeddings, mode)
+    policy = draft_policy(args, backend, [str(args.target), str(drafter_dir), args.dtype, args.drafter_type], len(prompts))
+    return run_generation(args, backend, tokenizer, prompts, eos, target_cfg.max_position_embeddings, mode, policy=policy)
+
+
+def draft_policy(args, backend, identity: list[str], num_prompts: int):
+    """`--draft-length auto` (the default with a drafter, unless --block-size forces a width): each step's draft
+    length from the measured step cost and the running acceptance (draft_length.py). Single process only: under
+    TP every rank must draft the same, and timings differ between ranks."""
+    from .draft_length import auto_policy
+
+    if args.draft_length != "auto" or args.block_size or backend.max_drafts == 0:
+        return None
+    return auto_policy(backend, identity + [str(backend.block_size)], min(args.max_batch, num_prompts), progress=not args.quiet)
 
 
 def kv_pages(args, prompts: list[list[int]]) -> int:
@@ -147,7 +159,8 @@ def generate_checkpoint(args) -> int:
         drafter_dir = None if args.no_drafter else ckpt / "drafter"
         backend = load_torch_backend(ckpt / "target", drafter_dir, DTYPES[args.dtype], args.device, kv_pages(args, prompts), args.page_size, args.block_size)
         mode += "" if args.no_drafter else f" block={backend.block_size}"
-        return run_generation(args, backend, tokenizers[0], prompts, eos, target_cfg.max_position_embeddings, mode)
+        policy = draft_policy(args, backend, [str(ckpt), str(drafter_dir), args.dtype], len(prompts))
+        return run_generation(args, backend, tokenizers[0], prompts, eos, target_cfg.max_position_embeddings, mode, policy=policy)
     tp = init_tp(args.device, args.tp_timeout)
     try:
         # Rank 0 tokenizes and the others receive token ids; from there every rank runs the same loop on the
@@ -160,14 +173,16 @@ def generate_checkpoint(args) -> int:
         tp.close()  # also on errors: exiting with a live gloo group aborts the process
 
 
-def run_generation(args, backend, tokenizer, prompts: list[list[int]], eos, max_seq_len: int, mode: str, tp=None) -> int:
+def run_generation(args, backend, tokenizer, prompts: list[list[int]], eos, max_seq_len: int, mode: str, tp=None, policy=None) -> int:
     """Generate and print the outputs and statistics (on rank 0 only under TP: the others hold no tokenizer)."""
     from .runtime import Generator
     from .sampling import SamplingParams
 
     printer = tp is None or tp.rank == 0
     gen = Generator(backend, eos_token_ids=eos, max_batch=min(args.max_batch, len(prompts)), max_seq_len=max_seq_len,
-                    max_verify_tokens=args.max_verify_tokens)
+                    max_verify_tokens=args.max_verify_tokens, draft_policy=policy)
+    if policy is not None:
+        mode += ", draft length auto"
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, ignore_eos=args.ignore_eos,
@@ -242,7 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, help="verify block size, 2..drafter block_size (default: the drafter's)")
+    g.add_argument("--block-size", type=int, help="verify block size, 2..drafter block_size (default: the drafter's); forces this width")
+    g.add_argument("--draft-length", choices=["auto", "fixed"], default="auto",
+                   help="auto: each step drafts the count that maximises expected tokens/s, from a step-cost calibration "
+                        "(measured once, cached) and the running acceptance, down to plain decoding; fixed: always block_size - 1")
     g.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--no-chat-template", action="store_true")

@@ -62,10 +62,14 @@ class Generator:
         use_drafter: bool = True,
         max_seq_len: int | None = None,
         max_verify_tokens: int | None = None,
+        draft_policy=None,
     ):
         """`max_verify_tokens`: at most this many tokens in one verify pass over the batch. Each request then
         drafts min(block_size − 1, budget / batch − 1) tokens: full blocks at low concurrency, shorter ones
         (down to plain decoding) as the batch grows and the target's pass stops being memory-bound."""
+        # `draft_policy` (draft_length.DraftLengthPolicy): each step's draft length from the measured step cost and
+        # the running acceptance rates, within max_drafts and the verify budget. None: always max_drafts.
+        self.draft_policy = draft_policy if use_drafter else None
         if max_verify_tokens is not None and max_verify_tokens < 1:
             raise RequestError(f"max_verify_tokens must be >= 1, got {max_verify_tokens}")
         self.max_verify_tokens = max_verify_tokens
@@ -181,9 +185,10 @@ class Generator:
 
     def drafts_per_request(self, batch: int) -> int:
         """Drafts each of `batch` decoding requests gets this step (the same on every TP rank)."""
+        k = self.max_drafts if self.draft_policy is None else min(self.max_drafts, self.draft_policy.choose(batch))
         if self.max_verify_tokens is None:
-            return self.max_drafts
-        return max(0, min(self.max_drafts, self.max_verify_tokens // batch - 1))
+            return k
+        return max(0, min(k, self.max_verify_tokens // batch - 1))
 
     def _finish(self, seq_id: int) -> RequestOutput:
         run = self._running.pop(seq_id)
@@ -209,7 +214,13 @@ class Generator:
         just_prefilled = {s.seq_id for s in admitted}
         decoding = [r.seq for r in self._running.values() if r.seq.seq_id not in just_prefilled]
         if decoding:
-            speculative_step(self.backend, decoding, self.drafts_per_request(len(decoding)))
+            k = self.drafts_per_request(len(decoding))
+            offered = [max(0, min(k, s.remaining - 1)) for s in decoding]  # what speculative_step drafts
+            speculative_step(self.backend, decoding, k)
+            if self.draft_policy is not None:
+                for s, n in zip(decoding, offered):
+                    if s.finish_reason is None:  # a stop inside the block hides how many drafts were right
+                        self.draft_policy.observe(n, s.accepted_lengths[-1] - 1)
             finished += [self._finish(s.seq_id) for s in decoding if s.finish_reason is not None]
         if not admitted and not decoding and self._waiting:
             raise KVCacheFullError("no request can be admitted: the KV pool is too small for the next request")

@@ -276,3 +276,21 @@ def test_eagle_chain_drafts_equal_a_full_recompute(setup, tmp_path):
                 hidden = torch.cat([hidden, h[-1:]])
                 tokens = tokens + [nxt]
         assert want == drafted
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_draft_length_chosen_per_step_stays_lossless(setup, batch):
+    """A policy whose cost curve makes drafting pay at small batches only: widths change from step to step as
+    the batch fills and drains and as the acceptance estimates move; the output is still the target's."""
+    from dflash_trt.draft_length import DraftLengthPolicy, StepCost
+
+    targets, drafters, prompts, refs, models = setup
+    backend = OracleDrafts(_backend(models, drafters, "full", 16), prompts, refs["llama"], seed=batch)
+    cost = StepCost([1, 4, 8], [0, 3, 15], [[1.0, 1.1, 1.6], [1.5, 2.4, 6.0], [2.0, 5.0, 16.0]])
+    policy = DraftLengthPolicy(cost, backend.max_drafts)
+    chosen = []
+    choose = policy.choose
+    policy.choose = lambda b: chosen.append(choose(b)) or chosen[-1]
+    outs = Generator(backend, max_batch=batch, draft_policy=policy).generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [o.output_ids for o in outs] == refs["llama"]
+    assert len(set(chosen)) >= 2  # the width really changed

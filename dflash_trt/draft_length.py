@@ -1,0 +1,195 @@
+"""How many tokens to draft each step: the one that maximises expected committed tokens per second.
+
+A verify pass over k + 1 tokens is not free on a CPU or at a large batch, so a fixed block wastes time when
+drafts are rarely accepted. Two measurements decide instead:
+
+- `StepCost`: the wall time of one speculative step (draft + verify + commit) of a batch of B sequences with k
+  drafts each, measured once per machine, model pair, dtype and thread count (`calibrate`, cached as JSON),
+  and interpolated between the measured (B, k).
+- `AcceptanceStats`: running per-position acceptance rates, α_j = P(draft j accepted | drafts 1..j−1 were),
+  from every step's (drafts offered, drafts accepted), with exponential forgetting.
+
+`DraftLengthPolicy.choose(B)` returns the k ∈ [0, max_drafts] maximising B · E[tokens | k] / cost(B, k) with
+E[tokens | k] = 1 + Σ_{j ≤ k} Π_{i ≤ j} α_i (the bonus token always comes). k = 0 is plain decoding (no drafter
+pass). Any k keeps the output exactly the target's (the loop is lossless for every block size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+BATCHES = (1, 2, 4, 8, 16)
+DRAFTS = (0, 1, 3, 7, 15)
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear in x, extended flat beyond the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1] * x / xs[-1] if xs[-1] else ys[-1]  # past the largest batch: linear in B
+
+
+@dataclass
+class StepCost:
+    """seconds[b][k]: one step of batch BATCHES[b] with DRAFTS[k] drafts per sequence."""
+
+    batches: list[int]
+    drafts: list[int]
+    seconds: list[list[float]]
+
+    def __call__(self, batch: int, num_drafts: int) -> float:
+        per_batch = [_interp(self.drafts, row, num_drafts) for row in self.seconds]
+        return _interp(self.batches, per_batch, batch)
+
+    def to_json(self) -> dict:
+        return {"batches": self.batches, "drafts": self.drafts, "seconds": self.seconds}
+
+    @staticmethod
+    def from_json(raw: dict) -> "StepCost":
+        return StepCost(list(raw["batches"]), list(raw["drafts"]), [list(map(float, r)) for r in raw["seconds"]])
+
+
+def measure_step(backend, batch: int, num_drafts: int, context: int = 48, reps: int = 3, seed: int = 0) -> float:
+    """Median seconds of one draft + verify + commit step for `batch` synthetic sequences of `context` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = [-(10_000 + i) for i in range(batch)]  # ids the Generator never hands out
+    prompts = [torch.randint(0, backend.vocab_size, (context,), generator=gen).tolist() for _ in ids]
+    for s in ids:
+        backend.add_sequence(s)
+    try:
+        scores = backend.prefill(ids, prompts, [False] * batch)
+        last = [int(s.tokens[-1]) for s in scores]
+        times = []
+        for _ in range(reps + 1):  # the first is warm-up
+            start = time.perf_counter()
+            drafts = backend.draft(ids, last, [num_drafts] * batch) if num_drafts else [[] for _ in ids]
+            backend.verify(ids, [[t] + d for t, d in zip(last, drafts)], [False] * batch)
+            backend.commit(ids, [1] * batch)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+    finally:
+        for s in ids:
+            backend.release(s)
+
+
+CONTEXT = 48  # tokens of each synthetic sequence the calibration steps
+
+
+def calibrate(backend, max_batch: int = 16, progress=None) -> StepCost:
+    """Step cost over the batches up to max_batch that the backend's KV pool can hold."""
+    per_sequence = backend.pages_needed(CONTEXT + backend.max_drafts + 2)
+    batches = [b for b in BATCHES if b <= max(1, max_batch) and b * per_sequence <= backend.num_pages] or [1]
+    drafts = [k for k in DRAFTS if k <= backend.max_drafts]
+    if drafts[-1] != backend.max_drafts:
+        drafts.append(backend.max_drafts)
+    seconds = []
+    for b in batches:
+        row = []
+        for k in drafts:
+            row.append(measure_step(backend, b, k, context=CONTEXT))
+            if progress is not None:
+                progress()
+        seconds.append(row)
+    return StepCost(batches, drafts, seconds)
+
+
+def cache_key(*parts: str) -> str:
+    """A calibration's identity: the models, dtype and thread count given, plus this machine and torch."""
+    machine = [platform.machine(), platform.processor() or "", str(os.cpu_count()), torch.__version__, str(torch.get_num_threads())]
+    return hashlib.sha256("\0".join([*parts, *machine]).encode()).hexdigest()[:16]
+
+
+def load_or_calibrate(backend, key: str, cache_dir: Path, max_batch: int = 16, progress=None) -> StepCost:
+    path = cache_dir / f"step-cost-{key}.json"
+    if path.is_file():
+        return StepCost.from_json(json.loads(path.read_text()))
+    cost = calibrate(backend, max_batch, progress)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cost.to_json(), indent=1))
+    tmp.replace(path)  # atomic: a killed run leaves no half file
+    return cost
+
+
+@dataclass
+class AcceptanceStats:
+    """Per-position acceptance with a Beta(prior) start and exponential forgetting (`decay` per observation)."""
+
+    max_drafts: int
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    decay: float = 0.995
+    accepted: list[float] = field(default_factory=list)
+    offered: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted = [self.prior * self.prior_weight] * self.max_drafts
+        self.offered = [self.prior_weight] * self.max_drafts
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """Drafts 1..num_accepted passed; draft num_accepted + 1 (if offered) was rejected; later ones were not tried."""
+        for j in range(min(num_drafts, num_accepted + 1)):
+            self.accepted[j] = self.accepted[j] * self.decay + (1.0 if j < num_accepted else 0.0)
+            self.offered[j] = self.offered[j] * self.decay + 1.0
+
+    def rates(self) -> list[float]:
+        return [a / o for a, o in zip(self.accepted, self.offered)]
+
+    def expected_tokens(self, num_drafts: int) -> float:
+        """1 (the bonus) + Σ_{j ≤ k} P(drafts 1..j all accepted)."""
+        total, alive = 1.0, 1.0
+        for alpha in self.rates()[:num_drafts]:
+            alive *= alpha
+            total += alive
+        return total
+
+
+class DraftLengthPolicy:
+    def __init__(self, cost: StepCost, max_drafts: int):
+        self.cost, self.max_drafts = cost, max_drafts
+        self.stats = AcceptanceStats(max_drafts)
+
+    def choose(self, batch: int) -> int:
+        best_k, best_rate = 0, 0.0
+        for k in range(self.max_drafts + 1):
+            rate = batch * self.stats.expected_tokens(k) / self.cost(batch, k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts:
+            self.stats.observe(num_drafts, num_accepted)
+
+
+def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | None = None, progress: bool = True) -> DraftLengthPolicy | None:
+    """The default policy of a drafting backend (None without a drafter): its step cost from the cache under
+    `cache_dir` (default: $DFLASH_TRT_CACHE or ~/.cache/dflash-trt, calibration/), measured there first if absent.
+    `identity`: what makes one calibration differ from another (model directories, dtype, block size)."""
+    if backend.max_drafts == 0:
+        return None
+    import sys
+
+    from tqdm import tqdm
+
+    from .fetch import default_cache_dir
+
+    directory = (cache_dir or default_cache_dir()) / "calibration"
+    bar = tqdm(desc="calibrating step cost (once per machine and model)", unit="cell", file=sys.stderr, disable=not progress, leave=False)
+    try:
+        cost = load_or_calibrate(backend, cache_key(*identity), directory, max_batch, progress=bar.update)
+    finally:
+        bar.close()
+    return DraftLengthPolicy(cost, backend.max_drafts)

@@ -1,0 +1,67 @@
+"""Draft length from the step cost and the running acceptance (draft_length.py): the interpolation, the
+acceptance estimates and the choice against closed forms, the calibration cache, and the loop stays lossless."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from dflash_trt import draft_length as dl
+
+
+def test_step_cost_is_exact_at_measured_points_and_linear_between():
+    cost = dl.StepCost([1, 4], [0, 3], [[1.0, 2.5], [2.0, 6.5]])
+    assert cost(1, 0) == 1.0 and cost(4, 3) == 6.5
+    assert cost(1, 1) == pytest.approx(1.5)
+    assert cost(2, 0) == pytest.approx(1.0 + (2.0 - 1.0) / 3)
+    assert cost(8, 0) == pytest.approx(4.0)  # past the largest batch: linear in the batch
+
+
+def test_acceptance_estimates_converge_to_the_true_conditional_rates():
+    rng = random.Random(0)
+    truth = [0.8, 0.6, 0.3]
+    stats = dl.AcceptanceStats(3, decay=1.0)
+    for _ in range(20000):
+        accepted = 0
+        while accepted < 3 and rng.random() < truth[accepted]:
+            accepted += 1
+        stats.observe(3, accepted)
+    assert stats.rates() == pytest.approx(truth, abs=0.02)
+    a = stats.rates()
+    assert stats.expected_tokens(2) == pytest.approx(1 + a[0] + a[0] * a[1])
+
+
+def test_choice_is_the_brute_force_optimum_of_tokens_per_second():
+    cost = dl.StepCost([1, 16], [0, 1, 3, 7], [[1.0, 1.05, 1.2, 1.6], [4.0, 6.0, 10.0, 20.0]])
+    for rates in ([0.9] * 7, [0.2] * 7, [0.7, 0.5, 0.3, 0.2, 0.1, 0.1, 0.1]):
+        policy = dl.DraftLengthPolicy(cost, 7)
+        policy.stats.accepted = [r * 1e6 for r in rates]
+        policy.stats.offered = [1e6] * 7
+        for batch in (1, 16):
+            best = max(range(8), key=lambda k: batch * policy.stats.expected_tokens(k) / cost(batch, k))
+            assert policy.choose(batch) == best
+    policy.stats.accepted = [0.9e6] * 7  # cheap wide verify, high acceptance: the whole block at batch 1
+    assert policy.choose(1) == 7
+    policy.stats.accepted = [0.05e6] * 7  # drafting cannot pay for itself: plain decoding
+    assert policy.choose(16) == 0
+
+
+def test_calibration_is_cached_and_not_measured_again(tiny_dirs, tmp_path, monkeypatch):
+    from dflash_trt.torch_backend import load_torch_backend
+
+    backend = load_torch_backend(*tiny_dirs, num_pages=256, page_size=4, block_size=8)
+    cost = dl.load_or_calibrate(backend, "k", tmp_path, max_batch=2)
+    assert cost.batches == [1, 2] and cost.drafts == [0, 1, 3, 7]
+    assert all(t > 0 for row in cost.seconds for t in row)
+    assert json.loads((tmp_path / "step-cost-k.json").read_text()) == cost.to_json()
+    assert backend.target_cache.num_free_pages == backend.target_cache.num_pages  # calibration gave its pages back
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(dl, "measure_step", no_measuring)
+    assert dl.load_or_calibrate(backend, "k", tmp_path, max_batch=2).to_json() == cost.to_json()
+    assert dl.cache_key("a", "b") != dl.cache_key("a", "c")
