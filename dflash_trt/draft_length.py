@@ -175,8 +175,9 @@ class DraftLengthPolicy:
 
 
 def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | None = None, progress: bool = True) -> DraftLengthPolicy | None:
-    """The default policy of a drafting backend (None without a drafter): its step cost from the cache under
-    `cache_dir` (default: $DFLASH_TRT_CACHE or ~/.cache/dflash-trt, calibration/), measured there first if absent.
+    """The default policy of a drafting backend (None without a drafter): its step cost from the cache in
+    `cache_dir` (default: $DFLASH_TRT_CALIBRATION, else calibration/ under $DFLASH_TRT_CACHE or ~/.cache/dflash-trt),
+    measured there first if absent.
     `identity`: what makes one calibration differ from another (model directories, dtype, block size)."""
     if backend.max_drafts == 0:
         return None
@@ -186,7 +187,8 @@ def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | 
 
     from .fetch import default_cache_dir
 
-    directory = (cache_dir or default_cache_dir()) / "calibration"
+    env = os.environ.get("DFLASH_TRT_CALIBRATION")
+    directory = cache_dir or (Path(env) if env else default_cache_dir() / "calibration")
     bar = tqdm(desc="calibrating step cost (once per machine and model)", unit="cell", file=sys.stderr, disable=not progress, leave=False)
     try:
         cost = load_or_calibrate(backend, cache_key(*identity), directory, max_batch, progress=bar.update)

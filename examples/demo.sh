@@ -7,7 +7,7 @@ T=$(dflash-trt fetch-models --quiet)
 D=examples/drafters/smollm2-dflash-b16
 E=examples/drafters/smollm2-eagle3
 PROMPT="Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring."
-echo "== DFlash (block 16), streaming =="
+echo "== DFlash (block 16, draft length chosen per step from the measured cost), streaming =="
 dflash-trt generate --target "$T" --drafter "$D" --prompt "$PROMPT" --max-new-tokens 160 --threads 2
 echo "== plain autoregressive decoding, same prompt =="
 dflash-trt generate --target "$T" --no-drafter --prompt "$PROMPT" --max-new-tokens 160 --threads 2

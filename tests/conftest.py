@@ -19,6 +19,12 @@ if not torch.cuda.is_available():
 from dflash_trt.config import load_drafter_config, load_target_config
 from dflash_trt.models.drafter import DFlashDrafter
 
+# Step-cost calibrations of the tests' random models go to a scratch directory, not the user's cache.
+if "DFLASH_TRT_CALIBRATION" not in os.environ:
+    import tempfile
+
+    os.environ["DFLASH_TRT_CALIBRATION"] = tempfile.mkdtemp(prefix="dflash-trt-calibration-")
+
 # One thread: tiny models gain nothing from more, and OpenMP spin-waits badly when cores are shared.
 torch.set_num_threads(1)
 
