@@ -203,7 +203,8 @@ def cmd_bench(args) -> int:
 
             identity = [str(args.target), str(args.drafter), args.dtype, str(dflash.block_size)]
             policy = auto_policy(dflash, identity, max(concurrency + [1]), progress=not args.quiet)
-            methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, policy.cost))
+            if policy is not None:
+                methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, policy.cost))
     eos = generation_eos_ids(args.target, tok, args.tokenizer)
     results = run_bench(methods, prompt_sets, eos, args.max_new_tokens, concurrency, progress=not args.quiet)
     results["setup"] = {"target": str(args.target), "tokenizer": args.tokenizer, "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "block_size": args.block_size,

@@ -87,10 +87,19 @@ def measure_step(backend, batch: int, num_drafts: int, context: int = 48, reps: 
 CONTEXT = 48  # tokens of each synthetic sequence the calibration steps
 
 
-def calibrate(backend, max_batch: int = 16, progress=None) -> StepCost:
-    """Step cost over the batches up to max_batch that the backend's KV pool can hold."""
-    per_sequence = backend.pages_needed(CONTEXT + backend.max_drafts + 2)
-    batches = [b for b in BATCHES if b <= max(1, max_batch) and b * per_sequence <= backend.num_pages] or [1]
+def calibrate(backend, max_batch: int = 16, progress=None) -> StepCost | None:
+    """Step cost over the batches up to max_batch that the backend's KV pool can hold (synthetic sequences of up
+    to CONTEXT tokens, fewer in a small pool); None when not even one sequence fits."""
+
+    def fits(batch: int, context: int) -> bool:
+        return batch * backend.pages_needed(context + backend.max_drafts + 2) <= backend.num_pages
+
+    context = CONTEXT
+    while context > 1 and not fits(1, context):
+        context //= 2
+    batches = [b for b in BATCHES if b <= max(1, max_batch) and fits(b, context)]
+    if not batches:
+        return None
     drafts = [k for k in DRAFTS if k <= backend.max_drafts]
     if drafts[-1] != backend.max_drafts:
         drafts.append(backend.max_drafts)
@@ -98,7 +107,7 @@ def calibrate(backend, max_batch: int = 16, progress=None) -> StepCost:
     for b in batches:
         row = []
         for k in drafts:
-            row.append(measure_step(backend, b, k, context=CONTEXT))
+            row.append(measure_step(backend, b, k, context=context))
             if progress is not None:
                 progress()
         seconds.append(row)
@@ -111,11 +120,13 @@ def cache_key(*parts: str) -> str:
     return hashlib.sha256("\0".join([*parts, *machine]).encode()).hexdigest()[:16]
 
 
-def load_or_calibrate(backend, key: str, cache_dir: Path, max_batch: int = 16, progress=None) -> StepCost:
+def load_or_calibrate(backend, key: str, cache_dir: Path, max_batch: int = 16, progress=None) -> StepCost | None:
     path = cache_dir / f"step-cost-{key}.json"
     if path.is_file():
         return StepCost.from_json(json.loads(path.read_text()))
     cost = calibrate(backend, max_batch, progress)
+    if cost is None:
+        return None
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cost.to_json(), indent=1))
@@ -175,7 +186,8 @@ class DraftLengthPolicy:
 
 
 def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | None = None, progress: bool = True) -> DraftLengthPolicy | None:
-    """The default policy of a drafting backend (None without a drafter): its step cost from the cache in
+    """The default policy of a drafting backend (None without a drafter, or when the KV pool cannot hold one
+    calibration sequence: fixed blocks then): its step cost from the cache in
     `cache_dir` (default: $DFLASH_TRT_CALIBRATION, else calibration/ under $DFLASH_TRT_CACHE or ~/.cache/dflash-trt),
     measured there first if absent.
     `identity`: what makes one calibration differ from another (model directories, dtype, block size)."""
@@ -194,4 +206,4 @@ def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | 
         cost = load_or_calibrate(backend, cache_key(*identity), directory, max_batch, progress=bar.update)
     finally:
         bar.close()
-    return DraftLengthPolicy(cost, backend.max_drafts)
+    return None if cost is None else DraftLengthPolicy(cost, backend.max_drafts)

@@ -3,7 +3,6 @@ acceptance estimates and the choice against closed forms, the calibration cache,
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 
@@ -65,3 +64,16 @@ def test_calibration_is_cached_and_not_measured_again(tiny_dirs, tmp_path, monke
     monkeypatch.setattr(dl, "measure_step", no_measuring)
     assert dl.load_or_calibrate(backend, "k", tmp_path, max_batch=2).to_json() == cost.to_json()
     assert dl.cache_key("a", "b") != dl.cache_key("a", "c")
+
+
+def test_calibration_fits_a_small_pool_or_gives_up(tiny_dirs, tmp_path):
+    """A pool of a few pages (a short prompt) shrinks the synthetic sequences; one that holds none means no policy."""
+    from dflash_trt.torch_backend import load_torch_backend
+
+    small = load_torch_backend(*tiny_dirs, num_pages=3, page_size=16, block_size=8)
+    cost = dl.calibrate(small, max_batch=4)
+    assert cost is not None and cost.batches == [1]
+    assert small.target_cache.num_free_pages == 3
+    tiny = load_torch_backend(*tiny_dirs, num_pages=1, page_size=4, block_size=8)
+    assert dl.calibrate(tiny, max_batch=4) is None
+    assert dl.auto_policy(tiny, ["x"], 4, cache_dir=tmp_path, progress=False) is None

@@ -68,7 +68,9 @@ class EngineGenerator:
         requests = [
             Request(
                 input_token_ids=p, max_tokens=params.max_new_tokens, streaming=False,
-                sampling_config=SamplingConfig(beam_width=1, temperature=params.temperature or None, seed=params.seed + i),
+                # temperature 0 reaches the engine as eagle_temperature 0 (the runtime keeps the request's original
+                # value), which our accept op decodes greedily even on a sampling executor; top_k=1 is TensorRT-LLM's greedy.
+                sampling_config=SamplingConfig(beam_width=1, temperature=params.temperature, top_k=1 if params.greedy else None, seed=params.seed + i),
                 end_id=stop[0] if stop else None, stop_words=[[t] for t in stop[1:]] or None,
                 output_config=OutputConfig(exclude_input_from_output=True),
             )
