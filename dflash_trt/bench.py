@@ -170,7 +170,7 @@ def plot(results: dict, methods: list[str], path: Path) -> bool:
 
 
 def cmd_bench(args) -> int:
-    from .cli import DTYPES, encode_prompt, generation_eos_ids, load_tokenizer
+    from .loading import DTYPES, encode_prompt, generation_eos_ids, load_tokenizer
     from .config import load_target_config
     from .models.drafter import load_drafter
     from .models.eagle import load_eagle_drafter

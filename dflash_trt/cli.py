@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -11,90 +10,9 @@ from pathlib import Path
 import torch
 
 from . import bench, convert, fetch
-from .errors import ConfigError, DFlashError
+from .errors import DFlashError
+from .loading import DTYPES, check_model_dirs, encode_prompt, generation_eos_ids, load_tokenizer, read_prompts, requested_drafter
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def load_tokenizer(directory: str | Path):
-    """The tokenizer shipped in a model directory: local files only, never remote code."""
-    from transformers import AutoTokenizer
-
-    directory = Path(directory)
-    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ConfigError("no tokenizer files (tokenizer.json, tokenizer.model or vocab.json); pass --tokenizer DIR", file=directory)
-    try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
-    except Exception as e:  # transformers raises many types for broken tokenizer files
-        raise ConfigError(f"cannot load the tokenizer ({type(e).__name__}: {e})", file=directory) from None
-
-
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, enable_thinking=False
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer.encode(text)
-
-
-def generation_eos_ids(target_dir: str | Path, tokenizer, tokenizer_dir: str | Path | None = None) -> set[int]:
-    """EOS ids from config.json, generation_config.json (beside the target, or beside the tokenizer: a
-    converted checkpoint keeps it there) and the tokenizer: generation stops at any of them."""
-    from .config import load_target_config
-
-    ids: set[int] = set(load_target_config(target_dir).eos_token_ids)
-    for directory in {Path(target_dir), Path(tokenizer_dir or target_dir)}:
-        path = directory / "generation_config.json"
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def read_prompts(args) -> list[str]:
-    prompts = list(args.prompt or [])
-    if args.prompts:
-        path = Path(args.prompts)
-        if not path.is_file():
-            raise ConfigError("prompts file does not exist", file=path)
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            if path.suffix == ".jsonl":
-                try:
-                    row = json.loads(line)
-                    prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
-                except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                    raise ConfigError("each line must be a JSON object with 'prompt' or 'turns'", file=path, key=f"line {n}") from None
-            else:
-                prompts.append(line)
-    if not prompts:
-        raise ConfigError("no prompt given: use --prompt TEXT or --prompts FILE", key="--prompt")
-    return prompts
-
-
-def check_model_dirs(args) -> None:
-    """--target DIR [--drafter DIR], or --checkpoint DIR (the output of dflash-trt convert, holding both):
-    one error when neither or both are given (generate, serve and triton-repo alike)."""
-    if args.checkpoint:
-        if args.target or args.drafter:
-            raise ConfigError("--checkpoint holds the target and the drafter: drop --target / --drafter", key="--checkpoint")
-        if args.drafter_type != "dflash":
-            raise ConfigError("converted checkpoints hold a DFlash drafter", key="--drafter-type")
-    elif not args.target:
-        raise ConfigError("pass --target DIR (Hugging Face), or --checkpoint DIR (the output of dflash-trt convert)", key="--target")
-
-
-def requested_drafter(args) -> str | None:
-    """The --drafter directory, None with --no-drafter; an error when neither is given."""
-    if args.no_drafter:
-        return None
-    if args.drafter is None:
-        raise ConfigError("no drafter given: pass --drafter DIR, or --no-drafter for plain decoding", key="--drafter")
-    return args.drafter
 
 
 def cmd_generate(args) -> int:
@@ -108,7 +26,7 @@ def cmd_generate(args) -> int:
         return generate_checkpoint(args)
     target_cfg = load_target_config(args.target)  # fail on the config before touching weights
     tokenizer = load_tokenizer(args.tokenizer or args.target)
-    prompts = [encode_prompt(tokenizer, p, chat=not args.no_chat_template) for p in read_prompts(args)]
+    prompts = [encode_prompt(tokenizer, p, chat=not args.no_chat_template) for p in read_prompts(args.prompt, args.prompts)]
     drafter_dir = requested_drafter(args)
     pages = kv_pages(args, prompts)
     backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], args.device, pages, args.page_size, args.block_size, args.drafter_type)
@@ -151,7 +69,7 @@ def generate_checkpoint(args) -> int:
 
     def prepare():
         tokenizers.append(load_tokenizer(args.tokenizer or ckpt))
-        prompts = [encode_prompt(tokenizers[0], p, chat=not args.no_chat_template) for p in read_prompts(args)]
+        prompts = [encode_prompt(tokenizers[0], p, chat=not args.no_chat_template) for p in read_prompts(args.prompt, args.prompts)]
         return prompts, sorted(generation_eos_ids(ckpt / "target", tokenizers[0], ckpt))
 
     if launched_world_size() == 1:  # in this process; a sharded checkpoint is refused with "run it with mpirun -n N"

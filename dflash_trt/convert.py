@@ -306,7 +306,7 @@ def _check_tp(cfg: TransformerConfig, tp: int, quant: str) -> None:
 
 def default_calibration_prompts(tokenizer, samples: int) -> list[list[int]]:
     """The shipped corpus: training-split prompts (code, chat, GSM), never the evaluation sets."""
-    from .cli import encode_prompt
+    from .loading import encode_prompt
     from .prompts import load_train_prompts
 
     per = -(-samples // 3)
@@ -440,7 +440,7 @@ def _calibrate(target_dir, drafter_dir, prompts, samples, max_new_tokens, progre
     from .torch_backend import load_torch_backend
 
     if prompts is None:
-        from .cli import load_tokenizer
+        from .loading import load_tokenizer
 
         prompts = default_calibration_prompts(load_tokenizer(target_dir), samples)
     if not prompts:
@@ -502,11 +502,10 @@ def cmd_convert(args) -> int:
         torch.set_num_threads(args.threads)
     calib = None
     if args.calib:
-        from .cli import encode_prompt, load_tokenizer, read_prompts
+        from .loading import encode_prompt, load_tokenizer, read_prompts
 
         tokenizer = load_tokenizer(args.target)
-        ns = type("Prompts", (), {"prompt": None, "prompts": args.calib})()
-        calib = [encode_prompt(tokenizer, t, chat=True) for t in read_prompts(ns)][: args.calib_samples]
+        calib = [encode_prompt(tokenizer, t, chat=True) for t in read_prompts(None, args.calib)][: args.calib_samples]
     stats = convert(
         args.target, args.drafter, args.out, dtype=args.dtype, quant=args.quant, kv_cache_quant=args.kv_cache_quant, tp=args.tp,
         fmt=args.format, calib_prompts=calib, calib_samples=args.calib_samples, calib_max_new_tokens=args.calib_max_new_tokens,

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from dflash_trt.cli import encode_prompt, generation_eos_ids, load_tokenizer
+from dflash_trt.loading import encode_prompt, generation_eos_ids, load_tokenizer
 from dflash_trt.config import build_target_layer_ids, load_target_config
 from dflash_trt.models.target import load_target
 from dflash_trt.prompts import load_train_prompts

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.cli import encode_prompt, load_tokenizer
+from dflash_trt.loading import encode_prompt, load_tokenizer
 from dflash_trt.fetch import fetch_smollm2
 from dflash_trt.models.drafter import load_drafter
 from dflash_trt.models.eagle import load_eagle_drafter

@@ -21,7 +21,8 @@ from conftest import write_drafter, write_target, write_tokenizer
 from safetensors.torch import load_file, save_file
 from tp_worker import OracleDrafts, RecordedDrafts
 
-from dflash_trt.cli import encode_prompt, load_tokenizer, main
+from dflash_trt.cli import main
+from dflash_trt.loading import encode_prompt, load_tokenizer
 from dflash_trt.convert import convert
 from dflash_trt.models.drafter import load_drafter
 from dflash_trt.models.target import load_target

@@ -135,7 +135,7 @@ async def _completion(c: httpx.AsyncClient, prompt: str, max_tokens: int, stream
 
 def test_tp2_server_returns_tp1_greedy_tokens_and_every_rank_exits_0_on_sigterm(tp_checkpoint, mpi_server):
     checkpoint, reference = tp_checkpoint
-    from dflash_trt.cli import load_tokenizer
+    from dflash_trt.loading import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint)
     jobs = [(p, n, stream) for (p, n), stream in zip(zip(PROMPTS * 2, (24, 9, 40, 17, 5, 31, 12, 28)), [False, True] * 4)]

@@ -31,7 +31,7 @@ def _model_args(p) -> None:
 
 def _resolve_dirs(args) -> None:
     """--checkpoint DIR stands for --target DIR/target --drafter DIR/drafter --tokenizer DIR."""
-    from ..cli import check_model_dirs
+    from ..loading import check_model_dirs
 
     check_model_dirs(args)
     if args.checkpoint:
@@ -53,7 +53,7 @@ def _positive(args, *names: str) -> None:
 def cmd_serve(args) -> int:
     import torch
 
-    from ..cli import requested_drafter
+    from ..loading import requested_drafter
     from ..tp import launched_world_size
     from .engine import load_model
     from .server import Server, run
@@ -84,7 +84,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_triton_repo(args) -> int:
-    from ..cli import requested_drafter
+    from ..loading import requested_drafter
     from .triton_repo import write_repository
 
     _resolve_dirs(args)

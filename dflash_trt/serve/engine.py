@@ -250,7 +250,7 @@ def load_model(
     the pool holds `max_batch` requests of `max_model_len` tokens each. With `tp` (target_dir and
     drafter_dir inside one `dflash-trt convert --tp N` directory) each rank loads its own shards; rank 0
     alone reads the tokenizer (None on the others) and sends the EOS ids."""
-    from ..cli import DTYPES, generation_eos_ids, load_tokenizer
+    from ..loading import DTYPES, generation_eos_ids, load_tokenizer
     from ..config import load_target_config
     from ..torch_backend import load_torch_backend
 

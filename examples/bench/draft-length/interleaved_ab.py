@@ -1,7 +1,7 @@
 import json, statistics, torch
 torch.set_num_threads(2)
 from dflash_trt.bench import Method, _run
-from dflash_trt.cli import encode_prompt, load_tokenizer, generation_eos_ids
+from dflash_trt.loading import encode_prompt, generation_eos_ids, load_tokenizer
 from dflash_trt.draft_length import StepCost
 from dflash_trt.models.target import load_target
 from dflash_trt.models.drafter import load_drafter

@@ -1,0 +1,100 @@
+"""Directories and arguments in, what the runtime needs out: the one place every front end (cli, bench, convert,
+serve, scripts, examples) takes these facts from, so that no library module imports the CLI.
+
+The dtype names, the tokenizer of a model directory (local files, never remote code), prompt encoding with the
+chat template, the EOS union, prompt files, and the model-directory flags shared by generate / serve / triton-repo.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_tokenizer(directory: str | Path):
+    """The tokenizer shipped in a model directory: local files only, never remote code."""
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ConfigError("no tokenizer files (tokenizer.json, tokenizer.model or vocab.json); pass --tokenizer DIR", file=directory)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # transformers raises many types for broken tokenizer files
+        raise ConfigError(f"cannot load the tokenizer ({type(e).__name__}: {e})", file=directory) from None
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, enable_thinking=False
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer.encode(text)
+
+
+def generation_eos_ids(target_dir: str | Path, tokenizer, tokenizer_dir: str | Path | None = None) -> set[int]:
+    """EOS ids from config.json, generation_config.json (beside the target, or beside the tokenizer: a
+    converted checkpoint keeps it there) and the tokenizer: generation stops at any of them."""
+    from .config import load_target_config
+
+    ids: set[int] = set(load_target_config(target_dir).eos_token_ids)
+    for directory in {Path(target_dir), Path(tokenizer_dir or target_dir)}:
+        path = directory / "generation_config.json"
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def read_prompts(texts: list[str] | None, prompts_file: str | Path | None) -> list[str]:
+    """Prompt texts given inline (--prompt) and from a file (--prompts: one per line, or .jsonl with
+    'prompt' / 'turns'); at least one."""
+    prompts = list(texts or [])
+    if prompts_file:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise ConfigError("prompts file does not exist", file=path)
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    row = json.loads(line)
+                    prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
+                except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+                    raise ConfigError("each line must be a JSON object with 'prompt' or 'turns'", file=path, key=f"line {n}") from None
+            else:
+                prompts.append(line)
+    if not prompts:
+        raise ConfigError("no prompt given: use --prompt TEXT or --prompts FILE", key="--prompt")
+    return prompts
+
+
+def check_model_dirs(args) -> None:
+    """--target DIR [--drafter DIR], or --checkpoint DIR (the output of dflash-trt convert, holding both):
+    one error when neither or both are given (generate, serve and triton-repo alike)."""
+    if args.checkpoint:
+        if args.target or args.drafter:
+            raise ConfigError("--checkpoint holds the target and the drafter: drop --target / --drafter", key="--checkpoint")
+        if args.drafter_type != "dflash":
+            raise ConfigError("converted checkpoints hold a DFlash drafter", key="--drafter-type")
+    elif not args.target:
+        raise ConfigError("pass --target DIR (Hugging Face), or --checkpoint DIR (the output of dflash-trt convert)", key="--target")
+
+
+def requested_drafter(args) -> str | None:
+    """The --drafter directory, None with --no-drafter; an error when neither is given."""
+    if args.no_drafter:
+        return None
+    if args.drafter is None:
+        raise ConfigError("no drafter given: pass --drafter DIR, or --no-drafter for plain decoding", key="--drafter")
+    return args.drafter
