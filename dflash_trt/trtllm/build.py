@@ -4,14 +4,13 @@ A build config (build_configs/*.yaml) names the target, the DFlash drafter and e
 needs, with keys as TensorRT-LLM spells them: `speculative_config` as in trtllm-serve's config
 (decoding_type: DFlash, max_draft_len, speculative_model), `build` as trtllm-build's flags (without
 the leading dashes). It is validated before anything runs: an error names the file and the key and
-exits 2. The commands are printed exactly as they run; `--dry-run` only prints them.
+exits 2. `--dry-run` prints the commands; a real run refuses until the one-engine build exists
+(docs/engine-path.md, Status).
 """
 
 from __future__ import annotations
 
-import json
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,16 +168,8 @@ def cmd_build(args) -> int:
             "and the two-engine build below cannot work (docs/engine-path.md: Why not two engines, Status). --dry-run prints its commands"
         )
     print("# the two-engine commands (withdrawn design; docs/engine-path.md): checked against trtllm-build's flags, not runnable", flush=True)
-    if not args.dry_run:
-        for path, key in ((cfg.target_model, "target.model"), (cfg.drafter_model, "speculative_config.speculative_model")):
-            if not Path(path).is_dir():
-                raise ConfigError(f"{path!r} is not a local directory (download it first, e.g. `huggingface-cli download`)", file=cfg.path, key=key)
     for command in commands:
         print("+ " + shlex.join(command), flush=True)
-        if not args.dry_run:
-            subprocess.run(command, check=True)
-    if not args.dry_run:
-        print(json.dumps({"engines": str(Path(args.out or cfg.output_dir) / "engines")}))
     return 0
 
 
