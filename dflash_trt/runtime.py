@@ -214,13 +214,11 @@ class Generator:
         just_prefilled = {s.seq_id for s in admitted}
         decoding = [r.seq for r in self._running.values() if r.seq.seq_id not in just_prefilled]
         if decoding:
-            k = self.drafts_per_request(len(decoding))
-            offered = [max(0, min(k, s.remaining - 1)) for s in decoding]  # what speculative_step drafts
-            speculative_step(self.backend, decoding, k)
+            offered, accepted = speculative_step(self.backend, decoding, self.drafts_per_request(len(decoding)))
             if self.draft_policy is not None:
-                for s, n in zip(decoding, offered):
-                    if s.finish_reason is None:  # a stop inside the block hides how many drafts were right
-                        self.draft_policy.observe(n, s.accepted_lengths[-1] - 1)
+                for s, n, a in zip(decoding, offered, accepted):
+                    if s.finish_reason is None:  # observe only steps the stop rules did not cut
+                        self.draft_policy.observe(n, a)
             finished += [self._finish(s.seq_id) for s in decoding if s.finish_reason is not None]
         if not admitted and not decoding and self._waiting:
             raise KVCacheFullError("no request can be admitted: the KV pool is too small for the next request")

@@ -115,8 +115,9 @@ def rejection_accept(drafts: list[int], probs: torch.Tensor, generator: torch.Ge
     return len(drafts), sample(probs[len(drafts)], generator)
 
 
-def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int) -> None:
-    """One draft → verify → accept → commit step for every sequence in `seqs` (none finished)."""
+def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int) -> tuple[list[int], list[int]]:
+    """One draft → verify → accept → commit step for every sequence in `seqs` (none finished); returns, per
+    sequence, the drafts offered and how many of them the target accepted (before any stop rule)."""
     ids = [s.seq_id for s in seqs]
     # A step commits at most K+1 tokens; never draft past the length limit.
     num_drafts = [max(0, min(max_drafts, s.remaining - 1)) for s in seqs]
@@ -148,3 +149,4 @@ def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int) ->
     backend.commit(ids, [a + 1 for a in accepted])
     for s, d, a, t in zip(seqs, drafts, accepted, next_tokens):
         s.accepted_lengths.append(s.append(d[:a] + [t]))
+    return num_drafts, accepted
