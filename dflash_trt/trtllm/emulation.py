@@ -6,7 +6,8 @@
 - `DFlashEngine`: the engine's per-call function, in torch over exactly the contract's I/O names, shapes and
   dtypes: target pass (our TargetModel over the pool), accept of the previous drafts (greedy via the
   accept kernel's reference, or exact rejection sampling from `rand_data_*` at `eagle_temperature`), KV
-  injection of the kept tokens' features into the drafter layers (the kv_inject reference), one block pass
+  injection of the kept tokens' features into the drafter layers (DFlashDrafter.inject_context; on CPU the
+  kv_inject kernel's torch reference, so run this emulation off CUDA), one block pass
   (DFlashDrafter), next drafts out as a one-path tree.
 - `EagleRuntime`: the C++ runtime's side of `DecodingMode::Eagle` as docs/engine-path.md cites it: it
   schedules context requests before generation requests (in-flight joins), fills the inputs (the last
@@ -15,8 +16,10 @@
   stop rules, feeds `next_draft_*` back, and rewinds the target layers' KV to the kept length (the
   drafter layers' KV is the engine's own: it writes kept positions only).
 
-Nothing here is a second copy of the loop's rules: acceptance is kernels.reference.accept_reference, the
-sampled distribution is sampling.target_probs, the models are the torch reference models.
+The loop's rules are reused, not copied: greedy acceptance is kernels.reference.accept_reference, the sampled
+distribution sampling.target_probs, the stop rules speculative.Sequence.append, the models the torch reference
+models. Rejection sampling (speculative.rejection_accept) is re-expressed once, in `DFlashEngine._accept`,
+because the contract hands the engine uniforms (`rand_data_*`) instead of a generator.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ConfigError
-from ..kernels.reference import accept_reference, kv_inject_reference
+from ..kernels.reference import accept_reference
 from ..kv_cache import AttentionBatch
 from ..models.drafter import DFlashDrafter
 from ..models.layers import draft_vocab_head
 from ..models.target import TargetModel
 from ..sampling import SamplingParams, target_probs
+from ..speculative import Sequence
 from . import contract
 from .contract import CONTEXT, GENERATION, Dims
 
@@ -199,11 +203,8 @@ class DFlashEngine:
         # 3. KV injection: the kept tokens' target features → every drafter layer's K/V at their positions.
         keep_rows = torch.cat([torch.arange(rows[b], rows[b] + kept[b]) for b in range(batch)])
         write = torch.cat([self._slots(offsets[b], starts[b], starts[b] + kept[b]) for b in range(batch)])
-        ctx = self.drafter.hidden_norm(self.drafter.fc(features[keep_rows].to(self.drafter.fc.weight.dtype)))
-        kv = torch.nn.functional.linear(ctx, self.drafter.ctx_kv_weight, self.drafter.ctx_kv_bias)
-        cos, sin = self.drafter.rotary(torch.tensor(positions)[keep_rows], kv.dtype)
         cache = self._drafter_cache
-        kv_inject_reference(kv, self.drafter.ctx_k_norm, cos, sin, write, cache.k, cache.v, self.drafter.cfg.rms_norm_eps)
+        self.drafter.inject_context(features[keep_rows], torch.tensor(positions)[keep_rows], write, cache)
 
         # 4. One block pass: [last accepted, mask × K] right after the kept tokens. Its own K/V go to the drafter
         #    layers at those positions (scratch: the next call's injection overwrites what it keeps).
@@ -274,13 +275,8 @@ class DFlashEngine:
 
 @dataclass
 class _Request:
-    request_id: int
-    prompt: list[int]
-    max_new_tokens: int
-    end_ids: frozenset[int]
+    seq: Sequence  # prompt, output and the stop rules (Sequence.append), as in the reference loop
     temperature: float
-    curand: torch.Generator  # the slot's curand state, seeded by the request's random seed
-    output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     kv_tokens: int = 0  # what the KV manager counts for the request (addToken / removeToken)
     drafts: list[int] = field(default_factory=list)  # the previous call's next_draft_tokens[:next_draft_lens]
@@ -289,8 +285,22 @@ class _Request:
     rand_sample: float = 0.0
     rand_validation: torch.Tensor | None = None
     drafts_fed: list[list[int]] = field(default_factory=list)  # per generation step (the tests' record)
-    accepted_lengths: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+
+    @property
+    def request_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.seq.prompt
+
+    @property
+    def output(self) -> list[int]:
+        return self.seq.output
+
+    @property
+    def curand(self) -> torch.Generator:  # the slot's curand state, seeded by the request's random seed
+        return self.seq.generator
 
     @property
     def num_tokens(self) -> int:
@@ -332,11 +342,12 @@ class EagleRuntime:
     def enqueue_request(self, prompt: list[int], max_new_tokens: int, end_ids=(), temperature: float = 1.0, seed: int = 0) -> int:
         rid = self._next_id
         self._next_id += 1
-        self.waiting.append(_Request(rid, list(prompt), max_new_tokens, frozenset(end_ids), temperature, torch.Generator().manual_seed(seed)))
+        seq = Sequence(rid, list(prompt), SamplingParams(max_new_tokens=max_new_tokens), frozenset(end_ids), torch.Generator().manual_seed(seed))
+        self.waiting.append(_Request(seq, temperature))
         return rid
 
     def _worst_case_blocks(self, r: _Request) -> int:
-        return self.pool.blocks_for(len(r.prompt) + r.max_new_tokens + self.dims.kv_tokens_per_step)
+        return self.pool.blocks_for(len(r.prompt) + r.seq.params.max_new_tokens + self.dims.kv_tokens_per_step)
 
     def _set_kv_tokens(self, r: _Request, count: int) -> None:
         """addToken / removeToken until the request counts `count` tokens; blocks follow (last one released
@@ -378,20 +389,20 @@ class EagleRuntime:
             tokens = out["accepted_tokens"][b, :n].tolist()
             if b >= len(new):
                 self._move_accepted_kv(r, int(out["accepted_paths"][b]), n)
-                r.accepted_lengths.append(self._append(r, tokens))
+                r.seq.accepted_lengths.append(r.seq.append(tokens))
             else:
-                self._append(r, tokens)
+                r.seq.append(tokens)
             self._set_kv_tokens(r, r.kv_tokens - ((self.dims.max_decoding_tokens + self.dims.max_path_len - 1) - (n - 1)))
             r.drafts = out["next_draft_tokens"][b, : int(out["next_draft_lens"][b])].tolist()
             r.paths = out["next_draft_paths"][b].clone()
             r.rand_sample = float(torch.rand((), generator=r.curand))
             r.rand_validation = torch.rand(self.dims.max_decoding_tokens, generator=r.curand)
         self.active = batch
-        for r in [r for r in self.active if r.finish_reason is not None]:
+        for r in [r for r in self.active if r.seq.finish_reason is not None]:
             self.active.remove(r)
             self._set_kv_tokens(r, 0)
             self.reserved -= self._worst_case_blocks(r)
-            self.done[r.request_id] = Response(r.request_id, r.output, r.finish_reason, r.accepted_lengths, r.drafts_fed)
+            self.done[r.request_id] = Response(r.request_id, r.output, r.seq.finish_reason, r.seq.accepted_lengths, r.drafts_fed)
 
     def _move_accepted_kv(self, r: _Request, best_path: int, n: int) -> None:
         """invokeUpdateKVBlockArrayDraftTokenLocation on the target layers: accepted draft i (tree index
@@ -405,19 +416,6 @@ class EagleRuntime:
             if src != dst:
                 for kv in (0, 1):
                     self.pool.data[r.blocks[dst // tpb], :layers, kv, :, dst % tpb] = self.pool.data[r.blocks[src // tpb], :layers, kv, :, src % tpb]
-
-    def _append(self, r: _Request, tokens: list[int]) -> int:
-        kept = 0
-        for t in tokens:
-            r.output.append(t)
-            kept += 1
-            if t in r.end_ids:
-                r.finish_reason = "stop"
-            elif len(r.output) == r.max_new_tokens:
-                r.finish_reason = "length"
-            if r.finish_reason:
-                break
-        return kept
 
     def _inputs(self, context: list[_Request], generation: list[_Request]) -> dict[str, torch.Tensor]:
         dims, K, D = self.dims, self.dims.max_draft_len, self.dims.max_decoding_tokens
