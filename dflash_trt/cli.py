@@ -14,7 +14,6 @@ from .errors import DFlashError
 from .loading import DTYPES, check_model_dirs, encode_prompt, generation_eos_ids, load_tokenizer, read_prompts, requested_drafter
 
 
-
 def cmd_generate(args) -> int:
     from .config import load_target_config
     from .torch_backend import load_torch_backend

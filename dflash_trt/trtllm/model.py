@@ -28,6 +28,7 @@ from typing import Any
 
 from . import api, network
 
+
 def decoder_layer_feature(output: Any, use_cache: bool) -> Any:
     """The residual stream after a TensorRT-LLM decoder layer (DFlash's feature: hidden + residual), from what
     the layer returns. Llama's layer (models/llama/model.py `LLaMADecoderLayer.forward`, docs/engine-path.md)
