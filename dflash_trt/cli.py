@@ -11,7 +11,7 @@ import torch
 
 from . import bench, convert, fetch
 from .errors import DFlashError
-from .loading import DTYPES, check_model_dirs, encode_prompt, generation_eos_ids, load_tokenizer, read_prompts, requested_drafter
+from .loading import DTYPES, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer, read_prompts, requested_drafter
 
 
 def cmd_generate(args) -> int:
@@ -62,21 +62,22 @@ def generate_checkpoint(args) -> int:
     from .torch_backend import load_torch_backend
 
     ckpt = Path(args.checkpoint)
-    target_cfg = load_target_config(ckpt / "target")
+    target_dir, drafter_dir = checkpoint_parts(ckpt)
+    target_cfg = load_target_config(target_dir)
     mode = "autoregressive" if args.no_drafter else "dflash"
     tokenizers: list = []
 
     def prepare():
         tokenizers.append(load_tokenizer(args.tokenizer or ckpt))
         prompts = [encode_prompt(tokenizers[0], p, chat=not args.no_chat_template) for p in read_prompts(args.prompt, args.prompts)]
-        return prompts, sorted(generation_eos_ids(ckpt / "target", tokenizers[0], ckpt))
+        return prompts, sorted(generation_eos_ids(target_dir, tokenizers[0], ckpt))
 
     if launched_world_size() == 1:  # in this process; a sharded checkpoint is refused with "run it with mpirun -n N"
         prompts, eos = prepare()
-        drafter_dir = None if args.no_drafter else ckpt / "drafter"
-        backend = load_torch_backend(ckpt / "target", drafter_dir, DTYPES[args.dtype], args.device, kv_pages(args, prompts), args.page_size, args.block_size)
+        drafter = None if args.no_drafter else drafter_dir
+        backend = load_torch_backend(target_dir, drafter, DTYPES[args.dtype], args.device, kv_pages(args, prompts), args.page_size, args.block_size)
         mode += "" if args.no_drafter else f" block={backend.block_size}"
-        policy = draft_policy(args, backend, [str(ckpt), str(drafter_dir), args.dtype], len(prompts))
+        policy = draft_policy(args, backend, [str(ckpt), str(drafter), args.dtype], len(prompts))
         return run_generation(args, backend, tokenizers[0], prompts, eos, target_cfg.max_position_embeddings, mode, policy=policy)
     tp = init_tp(args.device, args.tp_timeout)
     try:

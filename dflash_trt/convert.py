@@ -44,6 +44,7 @@ from .trtllm_format import (
     drafter_config_json,
     drafter_units,
     kv_tensor_names,
+    merge_engine_checkpoint,
     out_rows,
     scale_names,
     source_rows_to_rank,
@@ -52,6 +53,11 @@ from .trtllm_format import (
 )
 
 OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FORMATS = {
+    "trtllm": "TensorRT-LLM checkpoints OUT/target and OUT/drafter (config.json + rank{r}.safetensors each)",
+    "engine": "one TensorRT-LLM checkpoint of both, DFlashForCausalLM, what `trtllm-build` reads for the one engine (docs/engine-path.md)",
+    "hf": "HF names + hf_quant_config.json (ModelOpt's unified format: vLLM, TensorRT-LLM's PyTorch backend)",
+}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -347,8 +353,12 @@ def convert(
         raise ConfigError(f"unsupported quantization {quant!r}; expected none, fp8 or nvfp4", key="--quant")
     if kv_cache_quant not in ("none", "fp8"):
         raise ConfigError(f"unsupported KV-cache quantization {kv_cache_quant!r}; expected none or fp8", key="--kv-cache-quant")
-    if fmt not in ("trtllm", "hf"):
-        raise ConfigError(f"unsupported format {fmt!r}; expected trtllm or hf", key="--format")
+    if fmt not in FORMATS:
+        raise ConfigError(f"unsupported format {fmt!r}; expected one of {list(FORMATS)}", key="--format")
+    engine = fmt == "engine"
+    if engine and drafter_dir is None:
+        raise ConfigError("the one-engine checkpoint holds the target and its DFlash drafter: pass --drafter", key="--drafter")
+    fmt = "trtllm" if engine else fmt  # the engine checkpoint is the two TensorRT-LLM parts, merged
     if fmt == "hf" and tp != 1:
         raise ConfigError("the quantized-HF format is not sharded (frameworks shard it at load time); use --tp 1", key="--tp")
     out = Path(out)
@@ -364,6 +374,11 @@ def convert(
             file=t_cfg.path, key="architectures",
         )
     d_cfg: DrafterConfig | None = check_pair(t_cfg, load_drafter_config(drafter_dir)) if drafter_dir is not None else None
+    if engine:  # one paged KV pool holds the target's layers and the drafter's (docs/engine-path.md)
+        for key, have, want in (("num_key_value_heads", d_cfg.num_kv_heads, t_cfg.num_kv_heads), ("head_dim", d_cfg.head_dim, t_cfg.head_dim)):
+            if have != want:
+                raise ConfigError(f"{have} != the target's {want} ({t_cfg.path}): the one engine's KV pool holds both models' layers",
+                                  file=d_cfg.path, key=key)
     for cfg in (t_cfg, d_cfg):
         if cfg is not None:
             _check_tp(cfg, tp, quant)
@@ -422,9 +437,15 @@ def convert(
         copied = _copy_tokenizer(Path(target_dir), tmp)
         if fmt == "hf":
             _copy_tokenizer(Path(target_dir), tmp / "target")
+        if engine:
+            stats.files = merge_engine_checkpoint(tmp, tmp)
+            if (tmp / "target" / "generation_config.json").is_file():
+                shutil.copy2(tmp / "target" / "generation_config.json", tmp / "generation_config.json")
+            shutil.rmtree(tmp / "target")
+            shutil.rmtree(tmp / "drafter")
         (tmp / "dflash_convert.json").write_text(
             json.dumps(
-                {"format": fmt, "dtype": dtype, "quant": quant, "kv_cache_quant": kv_cache_quant, "tp": tp,
+                {"format": "engine" if engine else fmt, "dtype": dtype, "quant": quant, "kv_cache_quant": kv_cache_quant, "tp": tp,
                  "target": str(Path(target_dir).resolve()), "drafter": str(Path(drafter_dir).resolve()) if drafter_dir else None,
                  "tokenizer_files": copied},
                 indent=2,
@@ -532,7 +553,7 @@ def register_cli(sub) -> None:
     c.add_argument("--quant", choices=["none", "fp8", "nvfp4"], default="none", help="weight + activation quantization of the linears")
     c.add_argument("--kv-cache-quant", choices=["none", "fp8"], default="none")
     c.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (rank{r}.safetensors each)")
-    c.add_argument("--format", choices=["trtllm", "hf"], default="trtllm", help="hf: HF names + hf_quant_config.json (ModelOpt unified)")
+    c.add_argument("--format", choices=list(FORMATS), default="trtllm", help="; ".join(f"{k}: {v}" for k, v in FORMATS.items()))
     c.add_argument("--calib", help="calibration prompts: one per line, or .jsonl with 'prompt' (default: the shipped training corpus)")
     c.add_argument("--calib-samples", type=int, default=32)
     c.add_argument("--calib-max-new-tokens", type=int, default=32, help="tokens decoded per calibration prompt")

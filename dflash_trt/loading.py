@@ -98,3 +98,16 @@ def requested_drafter(args) -> str | None:
     if args.drafter is None:
         raise ConfigError("no drafter given: pass --drafter DIR, or --no-drafter for plain decoding", key="--drafter")
     return args.drafter
+
+
+def checkpoint_parts(checkpoint: str | Path) -> tuple[Path, Path]:
+    """(target, drafter) directories of a `dflash-trt convert` output: DIR/target and DIR/drafter, or DIR
+    itself for both when it is the one-engine checkpoint (`--format engine`, DFlashForCausalLM)."""
+    from .trtllm_format import is_engine_checkpoint
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise ConfigError("--checkpoint does not exist or is not a directory", file=checkpoint, key="--checkpoint")
+    if is_engine_checkpoint(checkpoint):
+        return checkpoint, checkpoint
+    return checkpoint / "target", checkpoint / "drafter"

@@ -356,8 +356,9 @@ def load_tp_backend(
 
     if drafter_mode not in ("sharded", "replicated"):
         raise ConfigError(f"unsupported drafter mode {drafter_mode!r}; expected sharded or replicated", key="--tp-drafter")
-    checkpoint = Path(checkpoint)
-    target_dir, drafter_dir = checkpoint / "target", checkpoint / "drafter"
+    from .loading import checkpoint_parts
+
+    target_dir, drafter_dir = checkpoint_parts(checkpoint)
     device = tp.device
 
     def load_local():  # reads this rank's files only; no collectives, so a failure cannot strand the others
@@ -370,7 +371,7 @@ def load_tp_backend(
         if not use_drafter:
             return target, None
         _check_mapping(drafter_dir, tp)
-        d_cfg, tensors, _ = read_rank(drafter_dir, tp.rank, dtype)
+        d_cfg, tensors, _ = read_rank(drafter_dir, tp.rank, dtype, "drafter")
         d_cfg = check_pair(cfg, d_cfg)
         tensors = {k: v for k, v in tensors.items() if not k.endswith((".input_scale", ".k_scale", ".v_scale"))}
         return target, (d_cfg, tensors)

@@ -27,6 +27,7 @@ import torch
 
 from . import parallel
 from .checkpoint import InMemorySource, SafetensorsCheckpoint
+from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .config import (
     DRAFTER_ARCHITECTURE,
     TARGET_ARCHITECTURES,
@@ -41,6 +42,11 @@ from .quant import dequantize_fp8, dequantize_nvfp4
 
 # The MODEL_MAP key our drafter registers under in tensorrt_llm (dflash_trt/trtllm, the engine path).
 TRTLLM_DRAFTER_ARCHITECTURE = "DFlashDraftForCausalLM"
+# The one-engine checkpoint (docs/engine-path.md): target + drafter in one config.json and one
+# rank{r}.safetensors per rank, laid out like EagleForCausalLM's (the drafter's config under
+# `eagle_net_config`, whose num_hidden_layers the C++ runtime adds to the KV pool's layer count).
+ENGINE_ARCHITECTURE = "DFlashForCausalLM"
+ENGINE_DRAFTER_PREFIX = "drafter."  # drafter tensors in the merged rank files; the target's keep their names
 # family → (architecture, ModelOpt's `decoder` field), as ModelOpt writes them; TensorRT-LLM's MODEL_MAP
 # maps "Qwen3ForCausalLM" to its QWenForCausalLM class, which reads qwen_type (tensorrt_llm/models/__init__.py,
 # models/qwen/config.py). "QWenForCausalLM" + qwen_type "qwen3" is read back too.
@@ -350,6 +356,8 @@ def is_trtllm_checkpoint(directory: str | Path) -> bool:
 
 
 def parse_trtllm_target_config(raw: dict[str, Any], path: Path) -> TargetConfig:
+    if raw.get("architecture") == ENGINE_ARCHITECTURE:
+        raw = engine_part_config(raw, path, "target")
     arch = raw.get("architecture")
     families = {a: f for f, (a, _) in TRTLLM_TARGET_ARCHITECTURES.items()} | {"QWenForCausalLM": "qwen3"}
     if arch not in families:
@@ -367,6 +375,8 @@ def parse_trtllm_target_config(raw: dict[str, Any], path: Path) -> TargetConfig:
 
 
 def parse_trtllm_drafter_config(raw: dict[str, Any], path: Path) -> DrafterConfig:
+    if raw.get("architecture") == ENGINE_ARCHITECTURE:
+        raw = engine_part_config(raw, path, "drafter")
     if raw.get("architecture") != TRTLLM_DRAFTER_ARCHITECTURE:
         raise ConfigError(f"unsupported drafter architecture {raw.get('architecture')!r}; expected {TRTLLM_DRAFTER_ARCHITECTURE!r}", file=path, key="architecture")
     hf = _hf_raw(raw, path)
@@ -403,16 +413,23 @@ def _tp_of(raw: dict[str, Any], path: Path) -> int:
     return int(mapping.get("tp_size", 1))
 
 
-def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.float32) -> tuple[TargetConfig | DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:
+def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.float32, part: str = "target") -> tuple[TargetConfig | DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, tensors, raw config.json) of rank `rank` of a converted target or drafter: HF-named
     tensors holding that rank's shard (q/k/v split back out of the fused qkv, weights dequantized to
     `dtype`, vocab rows padded to a multiple of tp). Quantization scales are returned under
-    `<module>.input_scale` / `.k_scale` / `.v_scale` (fp32), for fake-quant or the engine path."""
+    `<module>.input_scale` / `.k_scale` / `.v_scale` (fp32), for fake-quant or the engine path.
+    `part` ("target" / "drafter") picks the model out of a one-engine checkpoint; a checkpoint of one
+    model is read whole (its architecture says which it is)."""
     directory = Path(directory)
     path, raw = read_trtllm_config(directory)
     tp = _tp_of(raw, path)
     if not 0 <= rank < tp:
         raise ConfigError(f"rank {rank} is outside mapping.tp_size={tp}", file=path, key="mapping.tp_size")
+    prefix = ""
+    engine = raw.get("architecture") == ENGINE_ARCHITECTURE
+    if engine:
+        prefix = ENGINE_DRAFTER_PREFIX if part == "drafter" else ""
+        raw = engine_part_config(raw, path, part)
     is_drafter = raw.get("architecture") == TRTLLM_DRAFTER_ARCHITECTURE
     cfg = parse_trtllm_drafter_config(raw, path) if is_drafter else parse_trtllm_target_config(raw, path)
     quant = {v: k for k, v in QUANT_ALGOS.items()}.get(raw.get("quantization", {}).get("quant_algo"))
@@ -427,6 +444,7 @@ def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.f
     names = scale_names("trtllm")
 
     def get(name: str) -> torch.Tensor:
+        name = prefix + name
         if name not in ckpt:
             raise CheckpointError("required tensor is missing", file=shard, key=name)
         used.add(name)
@@ -466,7 +484,9 @@ def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.f
             out[f"{attn}.k_proj.k_scale"] = get(names_kv["k"]).float()
             out[f"{attn}.v_proj.v_scale"] = get(names_kv["v"]).float()
             get(names_kv["kv"])
-    extra = sorted(set(ckpt.keys()) - used)
+    # In a one-engine rank file the other model's tensors are not extra: they are the other part's.
+    mine = [k for k in ckpt.keys() if k.startswith(ENGINE_DRAFTER_PREFIX) == bool(prefix)] if engine else ckpt.keys()
+    extra = sorted(set(mine) - used)
     if extra:
         raise CheckpointError("unexpected tensor (not part of this architecture and quantization)", file=shard, key=extra[0])
     return cfg, out, raw
@@ -475,21 +495,127 @@ def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.f
 SCALE_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 
 
-def trtllm_source(directory: str | Path, rank: int, dtype: torch.dtype) -> tuple[TargetConfig | DrafterConfig, InMemorySource]:
+def trtllm_source(directory: str | Path, rank: int, dtype: torch.dtype, part: str = "target") -> tuple[TargetConfig | DrafterConfig, InMemorySource]:
     """A rank of a converted checkpoint as a TensorSource for `load_module` (scales left out)."""
-    cfg, tensors, _ = read_rank(directory, rank, dtype)
+    cfg, tensors, _ = read_rank(directory, rank, dtype, part)
     shard = Path(directory) / f"rank{rank}.safetensors"
     weights = {k: v for k, v in tensors.items() if not k.endswith(SCALE_SUFFIXES)}
     return cfg, InMemorySource(weights, dict.fromkeys(weights, shard), Path(directory))
 
 
-def single_rank_source(directory: str | Path, dtype: torch.dtype) -> tuple[TargetConfig | DrafterConfig, InMemorySource]:
+def single_rank_source(directory: str | Path, dtype: torch.dtype, part: str = "target") -> tuple[TargetConfig | DrafterConfig, InMemorySource]:
     """The whole model of a tp=1 checkpoint (a single process cannot run a sharded one)."""
     path, raw = read_trtllm_config(directory)
     tp = _tp_of(raw, path)
     if tp != 1:
         raise ConfigError(f"this checkpoint is sharded for tp_size={tp}: run it with `mpirun -n {tp}` (the TP runtime)", file=path, key="mapping.tp_size")
-    return trtllm_source(directory, 0, dtype)
+    return trtllm_source(directory, 0, dtype, part)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The one-engine checkpoint: DFlashForCausalLM (target + drafter), what trtllm-build reads for the
+# engine on EAGLE's contract (docs/engine-path.md, "One engine call")
+
+
+def is_engine_checkpoint(directory: str | Path) -> bool:
+    if not is_trtllm_checkpoint(directory):
+        return False
+    return json.loads((Path(directory) / "config.json").read_text()).get("architecture") == ENGINE_ARCHITECTURE
+
+
+def engine_part_config(raw: dict[str, Any], path: Path, part: str) -> dict[str, Any]:
+    """The target's or the drafter's own config.json out of a DFlashForCausalLM one."""
+    if part == "target":
+        base = raw.get("base_architecture")
+        if not isinstance(base, str):
+            raise ConfigError("a DFlashForCausalLM checkpoint names its target's architecture here", file=path, key="base_architecture")
+        return {k: v for k, v in raw.items() if k not in ENGINE_KEYS} | {"architecture": base}
+    if part == "drafter":
+        drafter = raw.get("eagle_net_config")
+        if not isinstance(drafter, dict):
+            raise ConfigError("a DFlashForCausalLM checkpoint holds its drafter's config here (an object)", file=path, key="eagle_net_config")
+        return drafter
+    raise ValueError(f"part must be 'target' or 'drafter', got {part!r}")
+
+
+# The keys the merge adds to the target's config.json. Those after `base_architecture` are EagleConfig's
+# (tensorrt_llm/models/eagle/config.py, to_dict) with the values a K-draft chain needs: the C++ runtime
+# takes maxDraftPathLen from num_eagle_layers and the KV pool's extra layers from
+# eagle_net_config.num_hidden_layers (docs/engine-path.md, "What we rely on").
+ENGINE_KEYS = ("base_architecture", "max_draft_len", "num_eagle_layers", "max_non_leaves_per_layer", "eagle_net_config")
+
+
+def engine_config_json(target: dict[str, Any], drafter: dict[str, Any], target_path: Path, drafter_path: Path) -> dict[str, Any]:
+    """config.json of the one engine from the two converted configs; refuses what one engine cannot hold."""
+    if target.get("architecture") == ENGINE_ARCHITECTURE or drafter.get("architecture") != TRTLLM_DRAFTER_ARCHITECTURE:
+        raise ConfigError(f"expected a converted target and a {TRTLLM_DRAFTER_ARCHITECTURE} drafter", file=drafter_path, key="architecture")
+    # One paged pool holds the target's layers and the drafter's (EagleForCausalLM's layer_idx_offset): one
+    # KV head count, head size, KV dtype and mapping for all of them.
+    for key in ("num_key_value_heads", "head_size", "mapping", "dtype"):
+        if drafter.get(key) != target.get(key):
+            raise ConfigError(
+                f"{drafter.get(key)!r} != the target's {target.get(key)!r} ({target_path}): the engine's one KV pool and one "
+                "mapping hold both models", file=drafter_path, key=key,
+            )
+    kv_algo = lambda raw: (raw.get("quantization") or {}).get("kv_cache_quant_algo")  # noqa: E731
+    if kv_algo(drafter) != kv_algo(target):
+        raise ConfigError(f"{kv_algo(drafter)!r} != the target's {kv_algo(target)!r}: one KV pool, one KV dtype", file=drafter_path,
+                          key="quantization.kv_cache_quant_algo")
+    block = drafter.get("block_size")
+    if not isinstance(block, int) or block < 2:
+        raise ConfigError(f"expected an integer >= 2, got {block!r}", file=drafter_path, key="block_size")
+    k = block - 1  # the block [last accepted, mask x K] proposes K drafts: a one-path tree of depth K
+    return {
+        **target,
+        "architecture": ENGINE_ARCHITECTURE,
+        "base_architecture": target["architecture"],
+        "max_draft_len": k,
+        "num_eagle_layers": k,
+        "max_non_leaves_per_layer": 1,
+        "eagle_net_config": drafter,
+    }
+
+
+def merge_engine_checkpoint(parts: Path, dest: Path, progress: bool = False) -> list[str]:
+    """Write the one-engine checkpoint into `dest` from a converter output `parts` (target/, drafter/):
+    config.json (engine_config_json) and rank{r}.safetensors = the target's tensors under their names +
+    the drafter's under ENGINE_DRAFTER_PREFIX, copied byte for byte (quantized tensors and scales as
+    they are), row chunks at a time. Returns the rank files written."""
+    t_path, t_raw = read_trtllm_config(parts / "target")
+    d_path, d_raw = read_trtllm_config(parts / "drafter")
+    raw = engine_config_json(t_raw, d_raw, t_path, d_path)
+    files = []
+    for rank in range(_tp_of(t_raw, t_path)):
+        name = f"rank{rank}.safetensors"
+        sources = [(SafetensorsFile(parts / "target" / name), ""), (SafetensorsFile(parts / "drafter" / name), ENGINE_DRAFTER_PREFIX)]
+        try:
+            declared = {}
+            for src, prefix in sources:
+                for key, info in src.tensors.items():
+                    if key.startswith(ENGINE_DRAFTER_PREFIX) and not prefix:
+                        raise CheckpointError(f"a target tensor name may not start with {ENGINE_DRAFTER_PREFIX!r}", file=src.path, key=key)
+                    declared[prefix + key] = (info.dtype, info.shape)
+            writer = SafetensorsWriter(dest / name, declared)
+            try:
+                for src, prefix in sources:
+                    for key, info in src.tensors.items():
+                        rows = info.shape[0] if info.shape else 1
+                        step = max(1, MERGE_CHUNK_BYTES // max(info.row_bytes, 1))
+                        for lo in range(0, rows, step) if info.shape else [0]:
+                            chunk = src.read_rows(key, lo, min(rows, lo + step)) if info.shape else src.read_rows(key)
+                            writer.write_rows(prefix + key, lo, chunk.reshape(-1) if not info.shape else chunk)
+                writer.finish()
+            finally:
+                writer.close()
+        finally:
+            for src, _ in sources:
+                src.close()
+        files.append(name)
+    (dest / "config.json").write_text(json.dumps(raw, indent=4) + "\n")
+    return files
+
+
+MERGE_CHUNK_BYTES = 64 << 20
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--layer-ids", default=None, help="comma-separated target layer ids (default: the 3-layer formula)")
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
+    ap.add_argument("--shard-size", type=int, default=64, help="sequences per shard (a shard is written, and a rerun resumes, per shard)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16 doubles batched throughput on AMX CPUs")
     args = ap.parse_args()
@@ -71,6 +71,13 @@ def main() -> None:
     bar = tqdm(total=len(prompts), desc="generate", unit="prompt")
     for lo in range(0, len(prompts), args.shard_size):
         chunk = prompts[lo : lo + args.shard_size]
+        name = f"shard-{lo // args.shard_size:04d}"
+        if (out / f"{name}.json").exists():  # written last: its shard is complete (a rerun resumes here)
+            done = json.loads((out / f"{name}.json").read_text())
+            total_tokens += sum(m["output_len"] for m in done)
+            shard += 1
+            bar.update(len(chunk))
+            continue
         ids = [encode_prompt(tok, p.text, chat=True) for p in chunk]
         pages = args.batch * -(-(max(map(len, ids)) + args.max_new_tokens + 1) // 16)
         backend = FeatureKeepingBackend(target, None, num_pages=pages, page_size=16, capture_layers=tuple(layer_ids))
@@ -87,8 +94,9 @@ def main() -> None:
             tensors[f"{k}.features"] = feats.contiguous()
             meta.append({"id": p.id, "domain": p.domain, "prompt_len": len(o.prompt_ids), "output_len": len(o.output_ids)})
             total_tokens += len(o.output_ids)
-        save_file(tensors, str(out / f"shard-{shard:04d}.safetensors"))
-        (out / f"shard-{shard:04d}.json").write_text(json.dumps(meta))
+        save_file(tensors, str(out / f"{name}.safetensors.tmp"))
+        (out / f"{name}.safetensors.tmp").replace(out / f"{name}.safetensors")
+        (out / f"{name}.json").write_text(json.dumps(meta))
         shard += 1
         bar.set_postfix(gen_tokens=total_tokens, tok_s=f"{total_tokens / (time.time() - start):.0f}")
     bar.close()

@@ -172,6 +172,12 @@ def test_generate_checkpoint_under_mpirun_prints_the_tp1_text_once(tp_models, ca
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == want  # rank 0 alone prints, the same text as TP=1
     assert "tp=2, sharded drafter" in proc.stderr
+    # the one-engine checkpoint (convert --format engine): the same shards in one rank file per rank
+    convert(m["target_dir"], m["drafter_dir"], root / "engine-tp2", fmt="engine", dtype="fp32", tp=2, **QUIET)
+    proc, _ = mpirun(2, [sys.executable, "-m", "dflash_trt.cli", "generate", "--checkpoint", root / "engine-tp2", "--tokenizer", m["target_dir"], *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == want
+    assert "tp=2, sharded drafter" in proc.stderr
 
 
 def test_world_size_other_than_the_checkpoints_tp_size_fails_on_every_rank(tp_models):

@@ -94,7 +94,7 @@ def load_drafter(directory: str | Path, target_cfg: TargetConfig, dtype: torch.d
     cfg = check_pair(target_cfg, load_drafter_config(directory))
     feature_width = len(cfg.target_layer_ids) * target_cfg.hidden_size
     if is_trtllm_checkpoint(directory) or is_quantized_hf(directory):
-        source = single_rank_source(directory, dtype)[1] if is_trtllm_checkpoint(directory) else quantized_hf_source(directory, dtype)
+        source = single_rank_source(directory, dtype, "drafter")[1] if is_trtllm_checkpoint(directory) else quantized_hf_source(directory, dtype)
         model = load_module(lambda: DFlashDrafter(cfg, feature_width), source, dtype, device)
         model.fuse_context_projections()
         return model

@@ -35,8 +35,10 @@ def _resolve_dirs(args) -> None:
 
     check_model_dirs(args)
     if args.checkpoint:
+        from ..loading import checkpoint_parts
+
         ckpt = Path(args.checkpoint)
-        args.target, args.drafter = str(ckpt / "target"), str(ckpt / "drafter")
+        args.target, args.drafter = (str(d) for d in checkpoint_parts(ckpt))
         args.tokenizer = args.tokenizer or str(ckpt)
         args.model_name = args.model_name or ckpt.resolve().name
 
