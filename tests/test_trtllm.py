@@ -132,33 +132,30 @@ def test_bad_config_names_file_and_key_and_exits_2(tmp_path, capsys, mutate, key
     assert len(err) == 1 and f"{bad}: {key}:" in err[0]
 
 
-def test_dry_run_prints_convert_and_trtllm_build_with_real_flags(capsys):
+def test_dry_run_prints_convert_and_the_one_engine_build_with_real_flags(capsys):
     qwen = next(p for p in CONFIGS if p.stem.startswith("qwen3"))
     assert cli.main(["build", "--config", str(qwen), "--dry-run", "--out", "OUT"]) == 0
     lines = [l[2:].split() for l in capsys.readouterr().out.splitlines() if l.startswith("+ ")]
-    assert len(lines) == 3
-    conv, target, drafter = lines
-    # the converter's own parser accepts the convert command
+    assert len(lines) == 2
+    conv, build = lines
+    # the converter's own parser accepts the convert command, and it writes the one-engine checkpoint
     parser = argparse.ArgumentParser()
     convert.register_cli(parser.add_subparsers(dest="c"))
     args = parser.parse_args(conv[1:])
-    assert (args.quant, args.tp, args.out) == ("fp8", 1, "OUT/checkpoints")
+    assert (args.quant, args.tp, args.out, args.format) == ("fp8", 1, "OUT/checkpoint", "engine")
     # every trtllm-build flag is one trtllm-build has (snapshot of tensorrt_llm/commands/build.py)
     real = set(api.snapshot()["trtllm_build_flags"]["flags"])
-    for cmd in (target, drafter):
-        assert cmd[1:3] == ["-m", "dflash_trt.trtllm.trtllm_build"]
-        flags = {a for a in cmd if a.startswith("--") and not a.startswith("--dflash_")}
-        assert flags <= real, flags - real
-    assert target[target.index("--speculative_decoding_mode") + 1] == "draft_tokens_external"
-    assert target[target.index("--speculative_decoding_mode") + 1] in api.snapshot()["trtllm_build_flags"]["speculative_decoding_mode_choices"]
-    assert target[target.index("--max_draft_len") + 1] == "15"
-    assert target[target.index("--checkpoint_dir") + 1] == "OUT/checkpoints/target"
-    assert drafter[drafter.index("--checkpoint_dir") + 1] == "OUT/checkpoints/drafter"
-    assert "--speculative_decoding_mode" not in drafter
+    assert build[1:3] == ["-m", "dflash_trt.trtllm.trtllm_build"]
+    flags = {a for a in build if a.startswith("--") and not a.startswith("--dflash_")}
+    assert flags <= real, flags - real
+    mode = build[build.index("--speculative_decoding_mode") + 1]
+    assert mode == "eagle" and mode in api.snapshot()["trtllm_build_flags"]["speculative_decoding_mode_choices"]
+    assert build[build.index("--max_draft_len") + 1] == "15"
+    assert build[build.index("--checkpoint_dir") + 1] == "OUT/checkpoint"
 
 
 def test_a_real_build_refuses_clearly_until_the_one_engine_network_exists(capsys):
-    """The two-engine build cannot work on TensorRT-LLM 1.2.1 (docs/engine-path.md): one line, exit 2, nothing run."""
+    """The one engine's network is not written yet (docs/engine-path.md, Status): one line, exit 2, nothing run."""
     qwen = next(p for p in CONFIGS if p.stem.startswith("qwen3"))
     assert cli.main(["build", "--config", str(qwen), "--out", "OUT"]) == 2
     captured = capsys.readouterr()

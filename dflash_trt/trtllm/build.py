@@ -129,7 +129,8 @@ def _flag_args(flags: dict[str, Any]) -> list[str]:
 
 
 def build_commands(cfg: BuildConfig, out: str | None = None, plugin_lib: str | None = None) -> list[list[str]]:
-    """convert, then trtllm-build (through our registering wrapper) for the target and the drafter."""
+    """convert to the one-engine checkpoint, then trtllm-build (through our registering wrapper) of the one
+    engine on EAGLE's contract: `--speculative_decoding_mode eagle`, `--max_draft_len K` (docs/engine-path.md)."""
     if KNOWN_ARCHITECTURES[cfg.target_architecture] != "converter":
         raise ConfigError(
             f"architecture {cfg.target_architecture} is not yet supported by `dflash-trt convert` "
@@ -137,22 +138,19 @@ def build_commands(cfg: BuildConfig, out: str | None = None, plugin_lib: str | N
             file=cfg.path, key="target.architecture",
         )
     root = Path(out or cfg.output_dir)
-    ckpt, engines = root / "checkpoints", root / "engines"
+    ckpt, engine = root / "checkpoint", root / "engine"
     convert = [
-        "dflash-trt", "convert", "--target", cfg.target_model, "--drafter", cfg.drafter_model, "--out", str(ckpt),
+        "dflash-trt", "convert", "--target", cfg.target_model, "--drafter", cfg.drafter_model, "--out", str(ckpt), "--format", "engine",
         "--dtype", cfg.dtype, "--quant", cfg.quant, "--kv-cache-quant", cfg.kv_cache_quant, "--tp", str(cfg.tp), "--force",
     ]
-    wrapper = [sys.executable, "-m", "dflash_trt.trtllm.trtllm_build", "--dflash_target_checkpoint", str(ckpt / "target")]
+    build = [sys.executable, "-m", "dflash_trt.trtllm.trtllm_build"]
     if plugin_lib:
-        wrapper += ["--dflash_plugin_lib", plugin_lib]
-    flags = _flag_args(cfg.build_flags)
-    target = wrapper + [
-        "--checkpoint_dir", str(ckpt / "target"), "--output_dir", str(engines / "target"),
-        "--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", str(cfg.max_draft_len),
-        "--gather_generation_logits", *flags,
+        build += ["--dflash_plugin_lib", plugin_lib]
+    build += [
+        "--checkpoint_dir", str(ckpt), "--output_dir", str(engine),
+        "--speculative_decoding_mode", "eagle", "--max_draft_len", str(cfg.max_draft_len), *_flag_args(cfg.build_flags),
     ]
-    drafter = wrapper + ["--checkpoint_dir", str(ckpt / "drafter"), "--output_dir", str(engines / "drafter"), *flags]
-    return [convert, target, drafter]
+    return [convert, build]
 
 
 class EngineBuildUnavailable(DFlashError):
@@ -164,10 +162,10 @@ def cmd_build(args) -> int:
     commands = build_commands(cfg, args.out, args.plugin_lib)
     if not args.dry_run:
         raise EngineBuildUnavailable(
-            "the engine build is being rebuilt on TensorRT-LLM 1.2.1's EAGLE contract (one engine); its network is not written yet "
-            "and the two-engine build below cannot work (docs/engine-path.md: Why not two engines, Status). --dry-run prints its commands"
+            "the one-engine build on TensorRT-LLM 1.2.1's EAGLE contract has its checkpoint (`convert --format engine`) but not yet "
+            "its DFlashForCausalLM network (docs/engine-path.md: Status). --dry-run prints its commands"
         )
-    print("# the two-engine commands (withdrawn design; docs/engine-path.md): checked against trtllm-build's flags, not runnable", flush=True)
+    print("# the one-engine build (docs/engine-path.md); its flags are checked against trtllm-build's, its network is not written yet", flush=True)
     for command in commands:
         print("+ " + shlex.join(command), flush=True)
     return 0
@@ -176,7 +174,7 @@ def cmd_build(args) -> int:
 def register_cli(sub) -> None:
     b = sub.add_parser("build", help="convert + trtllm-build a deployment from a build config (build_configs/*.yaml)")
     b.add_argument("--config", required=True, help="build config YAML")
-    b.add_argument("--out", help="output root (default: the config's output_dir): checkpoints/ and engines/")
+    b.add_argument("--out", help="output root (default: the config's output_dir): checkpoint/ and engine/")
     b.add_argument("--plugin-lib", help="libdflash_plugins.so, loaded into trtllm-build before the drafter is built")
     b.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     b.set_defaults(func=cmd_build)

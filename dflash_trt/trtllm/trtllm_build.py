@@ -1,8 +1,8 @@
-"""`python -m dflash_trt.trtllm.trtllm_build --dflash_target_checkpoint DIR [--dflash_plugin_lib SO] <trtllm-build args>`
+"""`python -m dflash_trt.trtllm.trtllm_build [--dflash_plugin_lib SO] --checkpoint_dir DIR <trtllm-build args>`
 
-trtllm-build with our architectures registered: loads the plugin library through TensorRT's registry
-(plugin_library.register: the "dflash" creators), registers DFlashDraftForCausalLM and the capturing target class in
-MODEL_MAP (model.register), turns on TensorRT's aliased plugin I/O (DFlashKVInject updates the drafter's
+trtllm-build with our architecture registered: loads the plugin library through TensorRT's registry
+(plugin_library.register: the "dflash" creators), registers DFlashForCausalLM for the one-engine checkpoint in
+MODEL_MAP (model.register, which refuses until its network exists), turns on TensorRT's aliased plugin I/O (DFlashKVInject updates the drafter's
 caches in place; TensorRT honours IPluginV3OneBuildV2::getAliasedInput only with
 PreviewFeature.ALIASED_PLUGIN_IO_10_03, which tensorrt_llm's Builder.create_builder_config does not set),
 then runs tensorrt_llm.commands.build:main on the remaining arguments.
@@ -31,16 +31,15 @@ def enable_aliased_plugin_io() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--dflash_target_checkpoint", required=True)
     parser.add_argument("--dflash_plugin_lib")
+    parser.add_argument("--checkpoint_dir", required=True)
     ours, rest = parser.parse_known_args(argv)
     from . import api, model, plugin_library
 
+    model.register(ours.checkpoint_dir)
     plugin_library.register(ours.dflash_plugin_lib)  # through TensorRT's registry, before any network uses the plugins
-
-    model.register(ours.dflash_target_checkpoint)
     enable_aliased_plugin_io()
-    sys.argv = ["trtllm-build", *rest]
+    sys.argv = ["trtllm-build", "--checkpoint_dir", ours.checkpoint_dir, *rest]
     api.get("build_main")()
 
 
