@@ -85,10 +85,10 @@ def flip_logit_gap(backend, prompt: list[int], reference: list[int], output: lis
 
 def run_bench(methods: list[Method], prompt_sets: dict[str, list[list[int]]], eos, max_new: int, concurrency: list[int], progress: bool = True) -> dict:
     """prompt_sets: domain → token id lists. The first method is the AR reference."""
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     total = len(prompt_sets) * len(methods) + len(concurrency) * len(methods)
-    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not progress)
+    bar = progress_bar(total=total, desc="bench", unit="run", disable=not progress)
     results: dict = {"domains": {}, "concurrency": {}}
     for domain, prompts in prompt_sets.items():
         row, reference = {}, None
@@ -136,7 +136,24 @@ def markdown(results: dict, methods: list[str], header: str) -> str:
         for m in methods:
             s = row[m]
             lines.append(f"| {c} | {m} | {s['total_tokens_per_s']:.1f} | {s['per_user_tokens_per_s']:.1f} | {s['tau']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + "\n".join(COLUMNS_EXPLAINED) + "\n"
+
+
+# Printed under every table: what each method and column means.
+COLUMNS_EXPLAINED = [
+    "Methods: `ar` plain greedy decoding (one target step per token); `eagle3` the EAGLE-3-style baseline drafter "
+    "(a chain drafted token by token); `dflash` the DFlash drafter, one block per step at the fixed width; `dflash-auto` "
+    "DFlash with each step's draft length chosen from the measured step cost and the running acceptance (0 drafts "
+    "= plain decoding when drafting cannot pay).",
+    "Columns: τ = tokens committed per target step (1.0 for AR); decode tok/s = output tokens after the first, over "
+    "decode time, batch 1; speedup vs AR = decode tok/s over AR's on the same prompts; = AR output = requests whose text "
+    "equals AR's exactly; flips: max logit gap (n) = for the n requests that differ from AR, the largest gap between "
+    "the target's top two logits where they first differ (a small gap is a near-tie that a different reduction "
+    "order rounds the other way, e.g. a 16-token bf16 verify vs a 1-token step; exact equality holds in fp32); "
+    "acceptance histogram = {tokens committed in a step: steps}.",
+    "Concurrency: total tok/s = all output tokens over wall time with that many requests in the batch; per user = "
+    "each request's own rate.",
+]
 
 
 def plot(results: dict, methods: list[str], path: Path) -> bool:
@@ -170,13 +187,15 @@ def plot(results: dict, methods: list[str], path: Path) -> bool:
 
 
 def cmd_bench(args) -> int:
-    from .loading import DTYPES, encode_prompt, generation_eos_ids, load_tokenizer
+    from .loading import DTYPES, check_dir, encode_prompt, generation_eos_ids, load_tokenizer
     from .config import load_target_config
     from .models.drafter import load_drafter
     from .models.eagle import load_eagle_drafter
     from .models.target import load_target
     from .torch_backend import TorchBackend
 
+    for flag in ("target", "drafter", "eagle", "tokenizer"):
+        check_dir(getattr(args, flag), f"--{flag}")
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_target_config(args.target)
@@ -211,7 +230,9 @@ def cmd_bench(args) -> int:
                         "step_cost": next((m.step_cost.to_json() for m in methods if m.step_cost is not None), None),
                         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}
     names = [m.name for m in methods]
-    header = (f"# dflash-trt bench: {Path(args.target).name}, {args.dtype}, block {args.block_size or 'drafter default'}, "
+    block = args.block_size or next((m.backend.block_size for m in methods if m.name == "dflash"), None)
+    block_text = "no DFlash drafter" if block is None else f"DFlash block {block}" + ("" if args.block_size else " (the drafter's own)")
+    header = (f"# dflash-trt bench: {Path(args.target).name}, {args.dtype}, {block_text}, "
               f"{args.num_prompts} prompts/domain, max {args.max_new_tokens} new tokens, {torch.get_num_threads()} CPU threads")
     table = markdown(results, names, header)
     out = Path(args.out)
@@ -225,21 +246,26 @@ def cmd_bench(args) -> int:
 
 
 def register_cli(sub) -> None:
-    b = sub.add_parser("bench", help="benchmark DFlash against autoregressive decoding on the shipped prompt sets")
-    b.add_argument("--target", required=True)
+    from .loading import HELP_FORMAT, positive_int
+
+    b = sub.add_parser("bench", help="benchmark DFlash against autoregressive decoding on the shipped prompt sets", formatter_class=HELP_FORMAT,
+                       description="AR vs the EAGLE-3-style baseline vs DFlash (and DFlash with the draft length from the step cost) "
+                                   "on the shipped prompt sets, one table per run: tau, tokens/s, speedup over AR, how many outputs "
+                                   "equal AR's, plus a concurrency sweep. Writes bench.json, bench.md and bench.png to --out.")
+    b.add_argument("--target", required=True, help="Hugging Face target model directory")
     b.add_argument("--drafter", help="DFlash drafter directory")
     b.add_argument("--eagle", help="EAGLE-3-style baseline drafter directory (chain length = its block_size - 1)")
     b.add_argument("--tokenizer", help="tokenizer directory (default: --target; for a converted checkpoint, its top directory)")
-    b.add_argument("--domains", default=",".join(EVAL_DOMAINS))
-    b.add_argument("--num-prompts", type=int, default=8, help="prompts per domain")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--block-size", type=int)
-    b.add_argument("--max-verify-tokens", type=int, help="DFlash's verify budget per step over the batch (see generate)")
+    b.add_argument("--domains", default=",".join(EVAL_DOMAINS), help="comma-separated prompt sets")
+    b.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per domain")
+    b.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt at most")
+    b.add_argument("--block-size", type=positive_int, help="DFlash verify block size (default: the drafter's)")
+    b.add_argument("--max-verify-tokens", type=positive_int, help="DFlash's verify budget per step over the batch (see generate)")
     b.add_argument("--draft-length", choices=["auto", "fixed"], default="auto",
                    help="auto: also run 'dflash-auto', DFlash with each step's draft length from the step-cost calibration (see generate)")
     b.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated batch sizes for the sweep ('' to skip)")
-    b.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    b.add_argument("--threads", type=int)
-    b.add_argument("--out", default="bench-results")
-    b.add_argument("--quiet", action="store_true")
+    b.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights and activations")
+    b.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    b.add_argument("--out", default="bench-results", help="output directory")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(func=cmd_bench)

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import torch
 
-from . import bench, convert, fetch
+from . import __version__, bench, convert, fetch
 from .errors import DFlashError
-from .loading import DTYPES, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer, read_prompts, requested_drafter
+from .loading import (
+    DTYPES, HELP_FORMAT, add_model_flags, add_tp_flags, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer,
+    positive_int, read_prompts, requested_drafter,
+)
 
 
 def cmd_generate(args) -> int:
@@ -147,48 +150,46 @@ def run_generation(args, backend, tokenizer, prompts: list[list[int]], eos, max_
     print(
         f"[{mode}] {len(outputs)} request(s), {total} tokens in {wall:.2f}s; "
         f"tau={tau:.2f} tokens/step; decode {decoded / decode_s if decode_s else 0:.1f} tokens/s; "
-        f"acceptance histogram {dict(sorted(hist.items()))}{collectives}",
+        f"acceptance histogram {dict(sorted(hist.items()))}{collectives}; finish={finish_summary(outputs)}",
         file=sys.stderr,
     )
     return 0
 
 
+def finish_summary(outputs) -> str:
+    """Why the requests ended: "stop" (an EOS token) or "length" (--max-new-tokens), with counts when they differ."""
+    counts: dict[str, int] = {}
+    for o in outputs:
+        counts[o.finish_reason] = counts.get(o.finish_reason, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ",".join(f"{reason}:{n}" for reason, n in sorted(counts.items()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-trt", description="DFlash block-diffusion speculative decoding")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text with the PyTorch reference runtime")
-    g.add_argument("--target", help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
-    g.add_argument("--checkpoint", help="instead of --target/--drafter: the output of dflash-trt convert (DIR/target, DIR/drafter, "
-                   "tokenizer); one sharded for tp N runs as `mpirun -n N dflash-trt generate --checkpoint DIR`")
-    g.add_argument("--tp-drafter", choices=["sharded", "replicated"], default="sharded",
-                   help="sharded --checkpoint: shard the drafter like the target, or run it whole on every rank")
-    g.add_argument("--tp-timeout", type=float, default=300.0, help="seconds a rank waits for the others before failing")
+    g = sub.add_parser("generate", help="generate text with the PyTorch reference runtime", formatter_class=HELP_FORMAT,
+                       description="Generate with the PyTorch reference runtime: DFlash (or the EAGLE-3-style baseline) against the "
+                                   "target's own greedy output, or plain decoding with --no-drafter. Text streams to stdout; one "
+                                   "statistics line (mode, tau, tokens/s, acceptance, finish reasons) goes to stderr.")
+    add_model_flags(g, "generate")
+    add_tp_flags(g)
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank (NCCL)")
-    g.add_argument("--drafter", help="DFlash drafter directory (released z-lab format)")
-    g.add_argument("--drafter-type", choices=["dflash", "eagle3"], default="dflash", help="eagle3: the EAGLE-3-style baseline drafter")
-    g.add_argument("--tokenizer", help="tokenizer directory (default: --target)")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--prompts", help="file with one prompt per line, or .jsonl with 'prompt' / 'turns'")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, help="verify block size, 2..drafter block_size (default: the drafter's); forces this width")
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (lossless: the target's own greedy output)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass at T > 0 (1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens at T > 0 (0: off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
     g.add_argument("--draft-length", choices=["auto", "fixed"], default="auto",
                    help="auto: each step drafts the count that maximises expected tokens/s, from a step-cost calibration "
                         "(measured once, cached) and the running acceptance, down to plain decoding; fixed: always block_size - 1")
-    g.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--no-chat-template", action="store_true")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    g.add_argument("--max-batch", type=int, default=8)
-    g.add_argument("--max-verify-tokens", type=int, help="at most this many tokens per verify pass over the batch: "
-                   "blocks shrink as the batch grows (default: no limit)")
-    g.add_argument("--kv-pages", type=int, help="KV pool size in pages (default: enough for the batch)")
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens (generate --max-new-tokens each)")
+    g.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text, without the tokenizer's chat template")
     g.add_argument("--quiet", action="store_true", help="print only the final statistics")
     g.set_defaults(func=cmd_generate)
 

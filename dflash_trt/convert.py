@@ -16,10 +16,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
+from .progress import progress_bar
 
 from . import parallel
 from .checkpoint import SafetensorsCheckpoint, atomic_directory
@@ -196,7 +196,7 @@ class _ModelWriter:
 
     # -- writing -----------------------------------------------------------------------------------
 
-    def write(self, writers: list[SafetensorsWriter], progress: tqdm | None) -> None:
+    def write(self, writers: list[SafetensorsWriter], progress: Any | None) -> None:
         tp = self.tp
         for unit in self.units:
             out_w = unit.out + ".weight" if unit.linear else unit.out
@@ -408,7 +408,7 @@ def convert(
         total += sum(d_ckpt.file(n).tensors[n].end - d_ckpt.file(n).tensors[n].start for n in d_ckpt.keys())
     start = time.perf_counter()
     with atomic_directory(out, force=force) as tmp:
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {quant} tp={tp}", disable=not progress)
+        bar = progress_bar(total=total, unit="B", unit_scale=True, desc=f"convert {quant} tp={tp}", disable=not progress)
         try:
             for name, cfg, ckpt, units, kv_units in jobs:
                 writer = _ModelWriter(name, cfg, ckpt, units, kv_units, fmt, out_dtype, quant, kv_cache_quant, tp, amax.get(name, {}), stats)
@@ -542,8 +542,10 @@ def cmd_convert(args) -> int:
 
 
 def register_cli(sub) -> None:
+    from .loading import HELP_FORMAT, positive_int
+
     c = sub.add_parser(
-        "convert",
+        "convert", formatter_class=HELP_FORMAT,
         help="convert a HF target + DFlash drafter to TensorRT-LLM checkpoints (BF16/FP8/NVFP4, TP-sharded) or quantized HF",
     )
     c.add_argument("--target", required=True, help="Hugging Face target directory")
@@ -551,13 +553,13 @@ def register_cli(sub) -> None:
     c.add_argument("--out", required=True, help="output directory: OUT/target, OUT/drafter, tokenizer files in OUT")
     c.add_argument("--dtype", choices=sorted(OUT_DTYPES), default="bf16", help="dtype of unquantized tensors (default bf16)")
     c.add_argument("--quant", choices=["none", "fp8", "nvfp4"], default="none", help="weight + activation quantization of the linears")
-    c.add_argument("--kv-cache-quant", choices=["none", "fp8"], default="none")
-    c.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (rank{r}.safetensors each)")
+    c.add_argument("--kv-cache-quant", choices=["none", "fp8"], default="none", help="KV-cache quantization (FP8 scales from calibration)")
+    c.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (rank{r}.safetensors each)")
     c.add_argument("--format", choices=list(FORMATS), default="trtllm", help="; ".join(f"{k}: {v}" for k, v in FORMATS.items()))
     c.add_argument("--calib", help="calibration prompts: one per line, or .jsonl with 'prompt' (default: the shipped training corpus)")
-    c.add_argument("--calib-samples", type=int, default=32)
-    c.add_argument("--calib-max-new-tokens", type=int, default=32, help="tokens decoded per calibration prompt")
+    c.add_argument("--calib-samples", type=positive_int, default=32, help="calibration prompts used")
+    c.add_argument("--calib-max-new-tokens", type=positive_int, default=32, help="tokens decoded per calibration prompt")
     c.add_argument("--force", action="store_true", help="replace an existing --out")
-    c.add_argument("--threads", type=int, help="torch CPU threads")
+    c.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_convert)

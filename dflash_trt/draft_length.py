@@ -195,13 +195,13 @@ def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | 
         return None
     import sys
 
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     from .fetch import default_cache_dir
 
     env = os.environ.get("DFLASH_TRT_CALIBRATION")
     directory = cache_dir or (Path(env) if env else default_cache_dir() / "calibration")
-    bar = tqdm(desc="calibrating step cost (once per machine and model)", unit="cell", file=sys.stderr, disable=not progress, leave=False)
+    bar = progress_bar(desc="calibrating step cost (once per machine and model)", unit="cell", disable=not progress, leave=False)
     try:
         cost = load_or_calibrate(backend, cache_key(*identity), directory, max_batch, progress=bar.update)
     finally:

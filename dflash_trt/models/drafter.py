@@ -24,7 +24,7 @@ from ..config import DrafterConfig, TargetConfig, check_pair, load_drafter_confi
 from ..errors import CheckpointError
 from ..kv_cache import AttentionBatch, PagedKVCache
 from .. import kernels
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary, register_d2t
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary, check_d2t, register_d2t
 
 
 class DrafterLayer(nn.Module):
@@ -96,6 +96,7 @@ def load_drafter(directory: str | Path, target_cfg: TargetConfig, dtype: torch.d
     if is_trtllm_checkpoint(directory) or is_quantized_hf(directory):
         source = single_rank_source(directory, dtype, "drafter")[1] if is_trtllm_checkpoint(directory) else quantized_hf_source(directory, dtype)
         model = load_module(lambda: DFlashDrafter(cfg, feature_width), source, dtype, device)
+        check_d2t(model, target_cfg.vocab_size, directory)
         model.fuse_context_projections()
         return model
     ckpt = SafetensorsCheckpoint(directory)
@@ -107,5 +108,6 @@ def load_drafter(directory: str | Path, target_cfg: TargetConfig, dtype: torch.d
             key="fc.weight",
         )
     model = load_module(lambda: DFlashDrafter(cfg, feature_width), directory, dtype, device)
+    check_d2t(model, target_cfg.vocab_size, directory)
     model.fuse_context_projections()
     return model

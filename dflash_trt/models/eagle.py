@@ -17,7 +17,7 @@ from torch import nn
 from ..checkpoint import load_module
 from ..config import DrafterConfig, TargetConfig, check_pair, load_drafter_config
 from ..kv_cache import AttentionBatch, PagedKVCache
-from .layers import MLP, RMSNorm, Rotary, apply_rope, paged_attention, register_d2t
+from .layers import MLP, RMSNorm, Rotary, apply_rope, check_d2t, paged_attention, register_d2t
 
 EAGLE_ARCHITECTURE = "DFlashTrtEagle3Drafter"
 
@@ -89,4 +89,6 @@ def load_eagle_config(directory: str | Path) -> DrafterConfig:
 def load_eagle_drafter(directory: str | Path, target_cfg: TargetConfig, dtype=torch.float32, device="cpu") -> Eagle3Drafter:
     cfg = check_pair(target_cfg, load_eagle_config(directory))
     width = len(cfg.target_layer_ids) * target_cfg.hidden_size
-    return load_module(lambda: Eagle3Drafter(cfg, width), directory, dtype, device)
+    model = load_module(lambda: Eagle3Drafter(cfg, width), directory, dtype, device)
+    check_d2t(model, target_cfg.vocab_size, directory)
+    return model

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from torch import nn
-from tqdm import tqdm
+from ..progress import progress_bar
 
 from ..runtime import Generator
 from ..sampling import SamplingParams
@@ -56,7 +56,7 @@ def calibrate(backend, prompts: list[list[int]], max_new_tokens: int = 32, progr
 
     try:
         gen = Generator(backend, eos_token_ids=(), max_batch=1)
-        for ids in tqdm(prompts, desc="calibrating", unit="prompt", disable=not progress):
+        for ids in progress_bar(iterable=prompts, desc="calibrating", unit="prompt", disable=not progress):
             gen.generate([ids], SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
             # the pools hold every K/V written so far (freed pages keep their last contents)
             for key, cache in caches():

@@ -9,24 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _model_args(p) -> None:
-    p.add_argument("--target", help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
-    p.add_argument("--checkpoint", help="instead of --target/--drafter: the output of dflash-trt convert (DIR/target, DIR/drafter, "
-                   "tokenizer in DIR); one sharded for tp N serves as `mpirun -n N dflash-trt serve --checkpoint DIR`")
-    p.add_argument("--drafter", help="DFlash drafter directory (released z-lab format)")
-    p.add_argument("--drafter-type", choices=["dflash", "eagle3"], default="dflash")
-    p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
-    p.add_argument("--tokenizer", help="tokenizer directory (default: --target)")
-    p.add_argument("--block-size", type=int, help="verify block size, 2..drafter block_size (default: the drafter's)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    p.add_argument("--max-batch", type=int, default=8, help="requests in the running batch")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per request (capped by the target's limit)")
-    p.add_argument("--kv-pages", type=int, help="KV pool size in pages (default: --max-batch requests of --max-model-len)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request does not say")
+def _model_args(p, launcher: str) -> None:
+    from ..loading import add_model_flags, positive_int
+
+    add_model_flags(p, launcher)
+    p.add_argument("--max-model-len", type=positive_int, default=2048, help="prompt + output tokens per request (capped by the target's limit)")
+    p.add_argument("--default-max-tokens", type=positive_int, default=256, help="max_tokens when a request does not say")
     p.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
-    p.add_argument("--max-verify-tokens", type=int, help="at most this many tokens per verify pass over the batch: blocks shrink "
-                   "(down to plain decoding) as concurrency grows (default: no limit)")
 
 
 def _resolve_dirs(args) -> None:
@@ -43,15 +32,6 @@ def _resolve_dirs(args) -> None:
         args.model_name = args.model_name or ckpt.resolve().name
 
 
-def _positive(args, *names: str) -> None:
-    from ..errors import ConfigError
-
-    for name in names:
-        value = getattr(args, name.replace("-", "_"))
-        if value is not None and value < 1:
-            raise ConfigError(f"must be >= 1, got {value}", key=f"--{name}")
-
-
 def cmd_serve(args) -> int:
     import torch
 
@@ -61,7 +41,6 @@ def cmd_serve(args) -> int:
     from .server import Server, run
 
     _resolve_dirs(args)
-    _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens", "threads", "max-verify-tokens")
     if args.max_queue < 0:
         from ..errors import ConfigError
 
@@ -90,7 +69,6 @@ def cmd_triton_repo(args) -> int:
     from .triton_repo import write_repository
 
     _resolve_dirs(args)
-    _positive(args, "max-batch", "max-model-len", "kv-pages", "page-size", "default-max-tokens", "max-verify-tokens")
     out = write_repository(
         args.out, target=args.target, drafter=requested_drafter(args), model_name=args.model_name or "dflash",
         tokenizer=args.tokenizer, drafter_type=args.drafter_type, block_size=args.block_size, dtype=args.dtype,
@@ -102,20 +80,20 @@ def cmd_triton_repo(args) -> int:
 
 
 def register_cli(sub) -> None:
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, continuous batching, Prometheus metrics)")
-    _model_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    from ..loading import HELP_FORMAT, add_tp_flags
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, continuous batching, Prometheus metrics)", formatter_class=HELP_FORMAT)
+    _model_args(s, "serve")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --max-batch; more get 429")
-    s.add_argument("--threads", type=int, help="torch CPU threads")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--tp-drafter", choices=["sharded", "replicated"], default="sharded",
-                   help="sharded --checkpoint under mpirun: shard the drafter like the target, or run it whole on every rank")
-    s.add_argument("--tp-timeout", type=float, default=300.0, help="seconds a rank waits for the others before failing")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
+    add_tp_flags(s)
     s.set_defaults(func=cmd_serve)
 
-    t = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (Python backend, decoupled streaming)")
+    t = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (Python backend, decoupled streaming)",
+                       formatter_class=HELP_FORMAT)
     t.add_argument("--out", required=True, help="repository directory to create")
-    _model_args(t)
+    _model_args(t, "triton-repo")
     t.add_argument("--force", action="store_true", help="replace --out if it exists")
     t.set_defaults(func=cmd_triton_repo)

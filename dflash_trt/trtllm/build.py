@@ -172,7 +172,9 @@ def cmd_build(args) -> int:
 
 
 def register_cli(sub) -> None:
-    b = sub.add_parser("build", help="convert + trtllm-build a deployment from a build config (build_configs/*.yaml)")
+    from ..loading import HELP_FORMAT
+
+    b = sub.add_parser("build", formatter_class=HELP_FORMAT, help="convert + trtllm-build a deployment from a build config (build_configs/*.yaml)")
     b.add_argument("--config", required=True, help="build config YAML")
     b.add_argument("--out", help="output root (default: the config's output_dir): checkpoint/ and engine/")
     b.add_argument("--plugin-lib", help="libdflash_plugins.so, loaded into trtllm-build before the drafter is built")
