@@ -192,6 +192,7 @@ def cmd_bench(args) -> int:
     from .models.drafter import load_drafter
     from .models.eagle import load_eagle_drafter
     from .models.target import load_target
+    from .kv_cache import pool_pages
     from .torch_backend import TorchBackend
 
     for flag in ("target", "drafter", "eagle", "tokenizer"):
@@ -208,7 +209,7 @@ def cmd_bench(args) -> int:
             raise ConfigError(f"unknown domain {d!r}; expected some of {','.join(EVAL_DOMAINS)}", key="--domains")
     prompt_sets = {d: [encode_prompt(tok, p.text, chat=True) for p in load_eval_prompts(d, limit=args.num_prompts)] for d in domains}
     longest = max(len(p) for ps in prompt_sets.values() for p in ps)
-    pages = max(concurrency + [1]) * -(-(longest + args.max_new_tokens + 16) // 16)
+    pages = pool_pages(max(concurrency + [1]), longest + args.max_new_tokens, 16, args.block_size)
     methods = [Method("ar", TorchBackend(target, None, num_pages=pages))]
     if args.eagle:
         eagle = load_eagle_drafter(args.eagle, cfg, dtype=DTYPES[args.dtype])

@@ -50,10 +50,10 @@ def draft_policy(args, backend, identity: list[str], num_prompts: int):
 
 
 def kv_pages(args, prompts: list[list[int]]) -> int:
-    max_batch = min(args.max_batch, len(prompts))
+    from .kv_cache import pool_pages
+
     longest = max(len(p) for p in prompts) + args.max_new_tokens
-    block = args.block_size or 16
-    return args.kv_pages or max_batch * -(-(longest + block) // args.page_size)
+    return args.kv_pages or pool_pages(min(args.max_batch, len(prompts)), longest, args.page_size, args.block_size)
 
 
 def generate_checkpoint(args) -> int:
@@ -61,7 +61,8 @@ def generate_checkpoint(args) -> int:
     `mpirun -n N` (or torchrun) each rank loads only its rank{r}.safetensors and runs the same loop on
     its shards; rank 0 tokenizes, then streams and prints. A tp=1 checkpoint also runs without a launcher."""
     from .config import load_target_config
-    from .tp import init_tp, launched_world_size, load_tp_backend
+    from .loading import load_tp_backend
+    from .tp import init_tp, launched_world_size
     from .torch_backend import load_torch_backend
 
     ckpt = Path(args.checkpoint)

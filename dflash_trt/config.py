@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .trtllm_config import is_trtllm_config, trtllm_drafter_as_hf, trtllm_target_as_hf
 
 TARGET_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "GptOssForCausalLM": "gpt_oss"}
 # The families `dflash-trt convert` writes (trtllm_format.TRTLLM_TARGET_ARCHITECTURES names them). gpt-oss runs in
@@ -297,15 +298,9 @@ def _token_ids(reader: _Reader, key: str) -> tuple[int, ...]:
 def load_target_config(directory: str | Path) -> TargetConfig:
     """A Hugging Face target config, or the config of a converted TensorRT-LLM target checkpoint."""
     path, raw = read_config_json(directory)
-    if _is_trtllm(raw):
-        from .trtllm_format import parse_trtllm_target_config
-
-        return parse_trtllm_target_config(raw, path)
+    if is_trtllm_config(raw):
+        raw = trtllm_target_as_hf(raw, path, {v: k for k, v in TARGET_ARCHITECTURES.items()})
     return parse_target_config(raw, path)
-
-
-def _is_trtllm(raw: dict[str, Any]) -> bool:
-    return "mapping" in raw and "architecture" in raw and "architectures" not in raw
 
 
 def parse_target_config(raw: dict[str, Any], path: str | Path) -> TargetConfig:
@@ -359,10 +354,8 @@ def _gpt_oss_fields(reader: _Reader, num_layers: int) -> dict[str, Any]:
 def load_drafter_config(directory: str | Path, architecture: str = DRAFTER_ARCHITECTURE) -> DrafterConfig:
     """A DFlash drafter config (or, with `architecture`, another drafter using the same fields)."""
     path, raw = read_config_json(directory)
-    if _is_trtllm(raw):
-        from .trtllm_format import parse_trtllm_drafter_config
-
-        return parse_trtllm_drafter_config(raw, path)
+    if is_trtllm_config(raw):  # a converted checkpoint holds a DFlash drafter
+        return parse_drafter_config(trtllm_drafter_as_hf(raw, path, DRAFTER_ARCHITECTURE), path)
     return parse_drafter_config(raw, path, architecture)
 
 

@@ -34,11 +34,14 @@ from .config import (
     load_target_config,
 )
 from .errors import CheckpointError, ConfigError
+from .loading import DTYPES
 from .quant import fp8_scale, kv_cache_scale, nvfp4_activation_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from .quant.nvfp4 import BLOCK
 from .safetensors_io import SafetensorsWriter
 from .trtllm_format import (
     EXCLUDED_MODULES,
+    QUANT_ALGOS,
+    STR_DTYPES,
     KVUnit,
     Unit,
     drafter_config_json,
@@ -46,13 +49,14 @@ from .trtllm_format import (
     kv_tensor_names,
     merge_engine_checkpoint,
     out_rows,
+    producer,
     scale_names,
     source_rows_to_rank,
     target_config_json,
     target_units,
 )
 
-OUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 FORMATS = {
     "trtllm": "TensorRT-LLM checkpoints OUT/target and OUT/drafter (config.json + rank{r}.safetensors each)",
     "engine": "one TensorRT-LLM checkpoint of both, DFlashForCausalLM, what `trtllm-build` reads for the one engine (docs/engine-path.md)",
@@ -347,8 +351,8 @@ def convert(
     from .models.drafter import DFlashDrafter
     from .models.target import TargetModel
 
-    if dtype not in OUT_DTYPES:
-        raise ConfigError(f"unsupported dtype {dtype!r}; expected one of {list(OUT_DTYPES)}", key="--dtype")
+    if dtype not in DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; expected one of {list(DTYPES)}", key="--dtype")
     if quant not in ("none", "fp8", "nvfp4"):
         raise ConfigError(f"unsupported quantization {quant!r}; expected none, fp8 or nvfp4", key="--quant")
     if kv_cache_quant not in ("none", "fp8"):
@@ -364,7 +368,7 @@ def convert(
     out = Path(out)
     if out.exists() and not force:
         raise ConfigError("output directory already exists (pass --force to overwrite)", file=out)
-    out_dtype = OUT_DTYPES[dtype]
+    out_dtype = DTYPES[dtype]
     t_cfg = load_target_config(target_dir)
     if TARGET_ARCHITECTURES[t_cfg.architecture] not in CONVERTIBLE_TARGET_FAMILIES:
         convertible = sorted(a for a, f in TARGET_ARCHITECTURES.items() if f in CONVERTIBLE_TARGET_FAMILIES)
@@ -466,8 +470,10 @@ def _calibrate(target_dir, drafter_dir, prompts, samples, max_new_tokens, progre
         prompts = default_calibration_prompts(load_tokenizer(target_dir), samples)
     if not prompts:
         raise ConfigError("the calibration set is empty", key="--calib")
-    longest = max(len(p) for p in prompts) + max_new_tokens + 32
-    backend = load_torch_backend(target_dir, drafter_dir, dtype=torch.float32, num_pages=-(-longest // 16) + 4, page_size=16)
+    from .kv_cache import pool_pages
+
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    backend = load_torch_backend(target_dir, drafter_dir, dtype=torch.float32, num_pages=pool_pages(1, longest, 16), page_size=16)
     log(f"calibrating on {len(prompts)} prompts ({sum(map(len, prompts))} tokens, {max_new_tokens} new tokens each)")
     return calibrate(backend, prompts, max_new_tokens=max_new_tokens, progress=progress)
 
@@ -479,20 +485,18 @@ def _write_config(sub: Path, name: str, cfg, t_cfg: TargetConfig, fmt: str, dtyp
         return
     # quantized HF: the source config plus ModelOpt's quantization_config, and hf_quant_config.json
     raw = json.loads((Path(src_dir) / "config.json").read_text())
-    raw["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    from . import __version__
-
-    producer = {"name": "dflash-trt", "version": __version__}
+    raw["torch_dtype"] = STR_DTYPES[dtype]
+    producer_entry = producer()
     if quant != "none" or kv_quant != "none":
         exclude = list(EXCLUDED_MODULES) + (["model.embed_tokens"] if name == "target" else [])
-        hf_quant = {"quant_algo": {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}[quant], "kv_cache_quant_algo": "FP8" if kv_quant == "fp8" else None}
+        hf_quant = {"quant_algo": QUANT_ALGOS[quant], "kv_cache_quant_algo": QUANT_ALGOS[kv_quant]}
         if quant == "nvfp4":
-            hf_quant["group_size"] = 16
+            hf_quant["group_size"] = BLOCK
         hf_quant["exclude_modules"] = exclude
-        (sub / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": hf_quant}, indent=4) + "\n")
-        qc: dict = {"quant_method": "modelopt", "quant_algo": hf_quant["quant_algo"], "ignore": exclude, "producer": producer}
+        (sub / "hf_quant_config.json").write_text(json.dumps({"producer": producer_entry, "quantization": hf_quant}, indent=4) + "\n")
+        qc: dict = {"quant_method": "modelopt", "quant_algo": hf_quant["quant_algo"], "ignore": exclude, "producer": producer_entry}
         if quant != "none":
-            bits = {"num_bits": 8, "type": "float"} if quant == "fp8" else {"num_bits": 4, "type": "float", "group_size": 16}
+            bits = {"num_bits": 8, "type": "float"} if quant == "fp8" else {"num_bits": 4, "type": "float", "group_size": BLOCK}
             qc["config_groups"] = {
                 "group_0": {"input_activations": {"dynamic": False, **bits}, "weights": {"dynamic": False, **bits}, "targets": ["Linear"]}
             }
@@ -551,7 +555,7 @@ def register_cli(sub) -> None:
     c.add_argument("--target", required=True, help="Hugging Face target directory")
     c.add_argument("--drafter", help="DFlash drafter directory (omit to convert the target alone)")
     c.add_argument("--out", required=True, help="output directory: OUT/target, OUT/drafter, tokenizer files in OUT")
-    c.add_argument("--dtype", choices=sorted(OUT_DTYPES), default="bf16", help="dtype of unquantized tensors (default bf16)")
+    c.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of unquantized tensors (default bf16)")
     c.add_argument("--quant", choices=["none", "fp8", "nvfp4"], default="none", help="weight + activation quantization of the linears")
     c.add_argument("--kv-cache-quant", choices=["none", "fp8"], default="none", help="KV-cache quantization (FP8 scales from calibration)")
     c.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (rank{r}.safetensors each)")

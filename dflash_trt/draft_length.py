@@ -193,11 +193,8 @@ def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | 
     `identity`: what makes one calibration differ from another (model directories, dtype, block size)."""
     if backend.max_drafts == 0:
         return None
-    import sys
-
-    from .progress import progress_bar
-
     from .fetch import default_cache_dir
+    from .progress import progress_bar
 
     env = os.environ.get("DFLASH_TRT_CALIBRATION")
     directory = cache_dir or (Path(env) if env else default_cache_dir() / "calibration")

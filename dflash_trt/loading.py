@@ -179,3 +179,113 @@ def add_tp_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-drafter", choices=["sharded", "replicated"], default="sharded",
                    help="sharded --checkpoint: shard the drafter like the target, or run it whole on every rank")
     p.add_argument("--tp-timeout", type=positive_float, default=300.0, help="seconds a rank waits for the others before failing")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tensor parallelism: each rank loads only its own rank{r}.safetensors of a converted checkpoint (tp.py shards the
+# modules; this is where the checkpoint side lives)
+
+
+def _check_mapping(directory: Path, tp) -> None:
+    from .trtllm_format import _tp_of, read_trtllm_config
+
+    path, raw = read_trtllm_config(directory)
+    tp_size = _tp_of(raw, path)
+    if tp_size != tp.world_size:
+        raise ConfigError(
+            f"the checkpoint is sharded for tp_size={tp_size}, but {tp.world_size} rank(s) were launched: run it with `mpirun -n {tp_size}`",
+            file=path, key="mapping.tp_size",
+        )
+
+
+def _unshard(shards: torch.Tensor, split: str, part: str, cfg, tp: int) -> torch.Tensor:
+    """shards [tp, rows, cols]: every rank's part of one HF-named tensor (as read_rank returns it) → the whole
+    tensor, by the converter's own row maps run backwards."""
+    from . import parallel
+
+    if split in ("replicated", "vocab") or split == "row" and shards.dim() == 2:  # a row-parallel bias is whole on every rank
+        return shards[0]
+    if split == "row":
+        return torch.cat(list(shards), dim=1)
+    if split == "column":
+        return torch.cat(list(shards), dim=0)
+    maps = [parallel.qkv_rows(part, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp, r) for r in range(tp)]
+    rows = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}[part] * cfg.head_dim
+    full = shards.new_empty((rows, *shards.shape[2:]))
+    for shard, rank_maps in zip(shards, maps):
+        base = min(m.dst_start for m in rank_maps)  # where this part starts in the rank's fused qkv
+        for m in rank_maps:
+            full[m.src_start : m.src_start + m.n] = shard[m.dst_start - base : m.dst_start - base + m.n]
+    return full
+
+
+def _replicate(cfg, tensors: dict[str, torch.Tensor], tp) -> dict[str, torch.Tensor]:
+    """Every rank's drafter shard → the whole drafter on every rank (one all-gather per tensor, at load)."""
+    from .trtllm_format import drafter_units
+
+    units, _ = drafter_units(cfg)
+    full: dict[str, torch.Tensor] = {}
+    for unit in units:
+        for src, part in zip(unit.sources, unit.parts):
+            for suffix in ((".weight", ".bias") if unit.bias else (".weight",)) if unit.linear else ("",):
+                name = src + suffix
+                full[name] = _unshard(tp.all_gather(tensors[name]), unit.split, part, cfg, tp.world_size)
+    return full
+
+
+def load_tp_backend(
+    checkpoint: str | Path,
+    tp,
+    dtype: torch.dtype = torch.float32,
+    use_drafter: bool = True,
+    drafter_mode: str = "sharded",
+    num_pages: int = 256,
+    page_size: int = 16,
+    block_size: int | None = None,
+):
+    """A TorchBackend over rank `tp.rank`'s shards of a `dflash-trt convert --tp N` directory (target/, drafter/).
+    `drafter_mode`: "sharded" like the target, or "replicated" (every rank gathers and runs the whole drafter)."""
+    from .checkpoint import InMemorySource, load_module
+    from .config import check_pair
+    from .models.drafter import DFlashDrafter
+    from .models.target import TargetModel
+    from .torch_backend import TorchBackend
+    from .tp import apply_tp, gather_embedding
+    from .trtllm_format import read_rank, trtllm_source
+
+    if drafter_mode not in ("sharded", "replicated"):
+        raise ConfigError(f"unsupported drafter mode {drafter_mode!r}; expected sharded or replicated", key="--tp-drafter")
+    target_dir, drafter_dir = checkpoint_parts(checkpoint)
+    device = tp.device
+
+    def load_local():  # reads this rank's files only; no collectives, so a failure cannot strand the others
+        _check_mapping(target_dir, tp)
+        cfg, source = trtllm_source(target_dir, tp.rank, dtype)
+        if cfg.tie_word_embeddings:  # the checkpoint's lm_head shard is the embedding's shard
+            source.tensors["lm_head.weight"] = source.tensors["model.embed_tokens.weight"]
+            source.weight_map["lm_head.weight"] = source.weight_map["model.embed_tokens.weight"]
+        target = load_module(lambda: apply_tp(TargetModel(cfg), tp), source, dtype, device)
+        if not use_drafter:
+            return target, None
+        _check_mapping(drafter_dir, tp)
+        d_cfg, tensors, _ = read_rank(drafter_dir, tp.rank, dtype, "drafter")
+        d_cfg = check_pair(cfg, d_cfg)
+        tensors = {k: v for k, v in tensors.items() if not k.endswith((".input_scale", ".k_scale", ".v_scale"))}
+        return target, (d_cfg, tensors)
+
+    target, drafter_part = tp.agree(load_local)
+    gather_embedding(target, tp)
+    drafter = None
+    if drafter_part is not None:
+        d_cfg, tensors = drafter_part
+        width = len(d_cfg.target_layer_ids) * target.cfg.hidden_size
+        shard_file = drafter_dir / f"rank{tp.rank}.safetensors"
+        if drafter_mode == "replicated":
+            tensors, build = _replicate(d_cfg, tensors, tp), lambda: DFlashDrafter(d_cfg, width)
+        else:
+            build = lambda: apply_tp(DFlashDrafter(d_cfg, width), tp)  # noqa: E731
+        source = InMemorySource(tensors, dict.fromkeys(tensors, shard_file), drafter_dir)
+        drafter = tp.agree(lambda: load_module(build, source, dtype, device))
+        drafter.fuse_context_projections()
+    tp.reset_stats()
+    return TorchBackend(target, drafter, num_pages=num_pages, page_size=page_size, block_size=block_size)

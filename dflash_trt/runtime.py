@@ -128,6 +128,16 @@ class Generator:
         return len(self._running)
 
     @property
+    def running_ids(self) -> list[int]:
+        """Sequence ids in the running batch, in admission order."""
+        return list(self._running)
+
+    @property
+    def pages_reserved(self) -> int:
+        """KV pages the admission budget holds for the running requests (0 when idle)."""
+        return sum(self._pages_reserved.values())
+
+    @property
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 

@@ -38,19 +38,18 @@ from .config import (
     parse_target_config,
 )
 from .errors import CheckpointError, ConfigError
+from .trtllm_config import (
+    ENGINE_ARCHITECTURE,
+    ENGINE_DRAFTER_PREFIX,
+    TRTLLM_DRAFTER_ARCHITECTURE,
+    TRTLLM_TARGET_ARCHITECTURES,
+    engine_part_config,
+    trtllm_drafter_as_hf,
+    trtllm_target_as_hf,
+)
 from .quant import dequantize_fp8, dequantize_nvfp4
+from .quant.nvfp4 import BLOCK as NVFP4_BLOCK
 
-# The MODEL_MAP key our drafter registers under in tensorrt_llm (dflash_trt/trtllm, the engine path).
-TRTLLM_DRAFTER_ARCHITECTURE = "DFlashDraftForCausalLM"
-# The one-engine checkpoint (docs/engine-path.md): target + drafter in one config.json and one
-# rank{r}.safetensors per rank, laid out like EagleForCausalLM's (the drafter's config under
-# `eagle_net_config`, whose num_hidden_layers the C++ runtime adds to the KV pool's layer count).
-ENGINE_ARCHITECTURE = "DFlashForCausalLM"
-ENGINE_DRAFTER_PREFIX = "drafter."  # drafter tensors in the merged rank files; the target's keep their names
-# family → (architecture, ModelOpt's `decoder` field), as ModelOpt writes them; TensorRT-LLM's MODEL_MAP
-# maps "Qwen3ForCausalLM" to its QWenForCausalLM class, which reads qwen_type (tensorrt_llm/models/__init__.py,
-# models/qwen/config.py). "QWenForCausalLM" + qwen_type "qwen3" is read back too.
-TRTLLM_TARGET_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen")}
 QUANT_ALGOS = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}
 EXCLUDED_MODULES = ["lm_head"]  # embeddings and norms are never quantized; lm_head stays high precision
 STR_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -219,11 +218,11 @@ def _common_config(cfg: TransformerConfig, dtype: torch.dtype, tp: int, quant: s
     rope = cfg.rope
     quantization: dict[str, Any] = {"quant_algo": QUANT_ALGOS[quant], "kv_cache_quant_algo": QUANT_ALGOS[kv_quant]}
     if quant == "nvfp4":
-        quantization["group_size"] = 16
+        quantization["group_size"] = NVFP4_BLOCK
     if quant != "none":
         quantization["exclude_modules"] = list(EXCLUDED_MODULES)
     raw: dict[str, Any] = {
-        "producer": {"name": "dflash-trt", "version": _version()},
+        "producer": producer(),
         "architecture": architecture,
         "dtype": STR_DTYPES[dtype],
         # fp32 logits: verification compares argmaxes, and fp16 logits would turn near-ties into flips
@@ -271,10 +270,11 @@ def _common_config(cfg: TransformerConfig, dtype: torch.dtype, tp: int, quant: s
     return raw
 
 
-def _version() -> str:
+def producer() -> dict[str, str]:
+    """The `producer` both checkpoint formats' configs carry (ModelOpt writes its own name and version there)."""
     from . import __version__
 
-    return __version__
+    return {"name": "dflash-trt", "version": __version__}
 
 
 def target_config_json(cfg: TargetConfig, dtype: torch.dtype, tp: int, quant: str, kv_quant: str) -> dict[str, Any]:
@@ -305,32 +305,6 @@ def drafter_config_json(cfg: DrafterConfig, target: TargetConfig, dtype: torch.d
     return raw
 
 
-def _hf_raw(raw: dict[str, Any], path: Path) -> dict[str, Any]:
-    """A TensorRT-LLM config.json back in Hugging Face's key names, for our config parsers."""
-    try:
-        hf = {
-            "hidden_size": raw["hidden_size"],
-            "intermediate_size": raw["intermediate_size"],
-            "num_hidden_layers": raw["num_hidden_layers"],
-            "num_attention_heads": raw["num_attention_heads"],
-            "num_key_value_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
-            "head_dim": raw.get("head_size"),
-            "vocab_size": raw["vocab_size"],
-            "rms_norm_eps": raw.get("norm_epsilon", 1e-6),
-            "max_position_embeddings": raw.get("max_position_embeddings", 4096),
-            "hidden_act": raw.get("hidden_act", "silu"),
-            "attention_bias": raw.get("attn_bias", raw.get("bias", False)),
-            "mlp_bias": raw.get("mlp_bias", False),
-            "rope_theta": raw.get("rotary_base", 10000.0),
-        }
-    except KeyError as e:
-        raise ConfigError("required key is missing", file=path, key=e.args[0]) from None
-    scaling = raw.get("rotary_scaling")
-    if scaling:
-        hf["rope_scaling"] = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
-    return hf
-
-
 def read_trtllm_config(directory: str | Path) -> tuple[Path, dict[str, Any]]:
     path = Path(directory) / "config.json"
     if not path.is_file():
@@ -356,48 +330,11 @@ def is_trtllm_checkpoint(directory: str | Path) -> bool:
 
 
 def parse_trtllm_target_config(raw: dict[str, Any], path: Path) -> TargetConfig:
-    if raw.get("architecture") == ENGINE_ARCHITECTURE:
-        raw = engine_part_config(raw, path, "target")
-    arch = raw.get("architecture")
-    families = {a: f for f, (a, _) in TRTLLM_TARGET_ARCHITECTURES.items()} | {"QWenForCausalLM": "qwen3"}
-    if arch not in families:
-        raise ConfigError(f"unsupported architecture {arch!r}; expected one of {sorted(families)}", file=path, key="architecture")
-    family = families[arch]
-    if arch == "QWenForCausalLM" and raw.get("qwen_type") != "qwen3":
-        raise ConfigError(f"qwen_type {raw.get('qwen_type')!r} is not supported (only qwen3)", file=path, key="qwen_type")
-    hf = _hf_raw(raw, path)
-    hf_arch = {v: k for k, v in TARGET_ARCHITECTURES.items()}[family]
-    hf.update(architectures=[hf_arch], tie_word_embeddings=raw.get("tie_word_embeddings", False))
-    for key in ("bos_token_id", "eos_token_id"):
-        if raw.get(key) is not None:
-            hf[key] = raw[key]
-    return parse_target_config(hf, path)
+    return parse_target_config(trtllm_target_as_hf(raw, path, {v: k for k, v in TARGET_ARCHITECTURES.items()}), path)
 
 
 def parse_trtllm_drafter_config(raw: dict[str, Any], path: Path) -> DrafterConfig:
-    if raw.get("architecture") == ENGINE_ARCHITECTURE:
-        raw = engine_part_config(raw, path, "drafter")
-    if raw.get("architecture") != TRTLLM_DRAFTER_ARCHITECTURE:
-        raise ConfigError(f"unsupported drafter architecture {raw.get('architecture')!r}; expected {TRTLLM_DRAFTER_ARCHITECTURE!r}", file=path, key="architecture")
-    hf = _hf_raw(raw, path)
-    dflash = {"mask_token_id": raw.get("mask_token_id")}
-    ids = raw.get("target_layer_ids")
-    # Explicit ids are unique (the source parser checks); only z-lab's default spacing for a target with
-    # fewer layers than it assumes repeats ids, and num_target_layers rebuilds exactly those.
-    if not isinstance(ids, list) or len(set(ids)) == len(ids) or raw.get("num_target_layers") is None:
-        dflash["target_layer_ids"] = ids
-    if raw.get("causal") is not None:
-        dflash["causal"] = raw["causal"]
-    hf.update(
-        architectures=[DRAFTER_ARCHITECTURE],
-        block_size=raw.get("block_size", 16),
-        dflash_config=dflash,
-        num_target_layers=raw.get("num_target_layers"),
-        layer_types=raw.get("layer_types"),
-        sliding_window=raw.get("sliding_window"),
-        draft_vocab_size=raw.get("draft_vocab_size"),
-    )
-    return parse_drafter_config(hf, path)
+    return parse_drafter_config(trtllm_drafter_as_hf(raw, path, DRAFTER_ARCHITECTURE), path)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -521,28 +458,6 @@ def is_engine_checkpoint(directory: str | Path) -> bool:
     if not is_trtllm_checkpoint(directory):
         return False
     return json.loads((Path(directory) / "config.json").read_text()).get("architecture") == ENGINE_ARCHITECTURE
-
-
-def engine_part_config(raw: dict[str, Any], path: Path, part: str) -> dict[str, Any]:
-    """The target's or the drafter's own config.json out of a DFlashForCausalLM one."""
-    if part == "target":
-        base = raw.get("base_architecture")
-        if not isinstance(base, str):
-            raise ConfigError("a DFlashForCausalLM checkpoint names its target's architecture here", file=path, key="base_architecture")
-        return {k: v for k, v in raw.items() if k not in ENGINE_KEYS} | {"architecture": base}
-    if part == "drafter":
-        drafter = raw.get("eagle_net_config")
-        if not isinstance(drafter, dict):
-            raise ConfigError("a DFlashForCausalLM checkpoint holds its drafter's config here (an object)", file=path, key="eagle_net_config")
-        return drafter
-    raise ValueError(f"part must be 'target' or 'drafter', got {part!r}")
-
-
-# The keys the merge adds to the target's config.json. Those after `base_architecture` are EagleConfig's
-# (tensorrt_llm/models/eagle/config.py, to_dict) with the values a K-draft chain needs: the C++ runtime
-# takes maxDraftPathLen from num_eagle_layers and the KV pool's extra layers from
-# eagle_net_config.num_hidden_layers (docs/engine-path.md, "What we rely on").
-ENGINE_KEYS = ("base_architecture", "max_draft_len", "num_eagle_layers", "max_non_leaves_per_layer", "eagle_net_config")
 
 
 def engine_config_json(target: dict[str, Any], drafter: dict[str, Any], target_path: Path, drafter_path: Path) -> dict[str, Any]:

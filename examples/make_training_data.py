@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from dflash_trt.loading import encode_prompt, generation_eos_ids, load_tokenizer
 from dflash_trt.config import build_target_layer_ids, load_target_config
+from dflash_trt.kv_cache import pool_pages
 from dflash_trt.models.target import load_target
 from dflash_trt.prompts import load_train_prompts
 from dflash_trt.runtime import Generator
@@ -79,7 +80,7 @@ def main() -> None:
             bar.update(len(chunk))
             continue
         ids = [encode_prompt(tok, p.text, chat=True) for p in chunk]
-        pages = args.batch * -(-(max(map(len, ids)) + args.max_new_tokens + 1) // 16)
+        pages = pool_pages(args.batch, max(map(len, ids)) + args.max_new_tokens, 16, block_size=1)  # plain decoding
         backend = FeatureKeepingBackend(target, None, num_pages=pages, page_size=16, capture_layers=tuple(layer_ids))
         gen = Generator(backend, eos_token_ids=eos, max_batch=args.batch)
         # The whole shard at once: continuous batching refills the batch as answers finish.

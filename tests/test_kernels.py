@@ -30,7 +30,7 @@ def shuffled_cache(nkv, hd, dtype, contexts, num_layers=1, page_size=4, seed=0) 
     """Sequences holding `contexts` tokens each, on pages handed out in random order (last pages partly filled)."""
     need = sum(-(-(n + 9) // page_size) for n in contexts) + 3
     cache = PagedKVCache(num_layers, nkv, hd, need, page_size, dtype, DEVICE)
-    cache._free = torch.randperm(need, generator=torch.Generator().manual_seed(seed)).tolist()
+    cache.shuffle_free_pages(torch.Generator().manual_seed(seed))
     for i, n in enumerate(contexts):
         cache.add_sequence(i)
         cache.reserve(i, n)

@@ -39,7 +39,7 @@ def tiny_data(tmp_path_factory):
     ids = [g.submit(p, SamplingParams(max_new_tokens=40)) for p in prompts]
     outs, feats = {}, {}
     while g.has_work:  # take each sequence's features before the backend releases it
-        for s in list(g._running):
+        for s in g.running_ids:
             feats[s] = backend.pending_features(s)
         for o in g.step():
             outs[o.seq_id] = o

@@ -23,7 +23,8 @@ import torch
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
-from dflash_trt.tp import init_tp, load_tp_backend
+from dflash_trt.loading import load_tp_backend
+from dflash_trt.tp import init_tp
 
 torch.set_num_threads(1)
 

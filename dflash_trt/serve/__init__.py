@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _model_args(p, launcher: str) -> None:
+def _model_args(p, launcher: str = "serve") -> None:
     from ..loading import add_model_flags, positive_int
 
     add_model_flags(p, launcher)

@@ -258,14 +258,16 @@ def load_model(
     limit = target_cfg.max_position_embeddings
     max_model_len = min(max_model_len or limit, limit)
     if kv_pages is None:
-        worst_block = block_size or 32  # released drafters use 16; one spare page per request at most
-        kv_pages = max_batch * -(-(max_model_len + worst_block) // page_size)
+        from ..kv_cache import pool_pages
+
+        kv_pages = pool_pages(max_batch, max_model_len, page_size, block_size)
     if tp is None:
         tokenizer = load_tokenizer(tokenizer_dir or target_dir)
         backend = load_torch_backend(target_dir, drafter_dir, DTYPES[dtype], "cpu", kv_pages, page_size, block_size, drafter_type)
         eos = generation_eos_ids(target_dir, tokenizer, tokenizer_dir)
     else:
-        from ..tp import load_tp_backend
+        from ..loading import load_tp_backend
+        from ..trtllm_format import is_engine_checkpoint
 
         def prepare():
             tok = load_tokenizer(tokenizer_dir or target_dir)
@@ -273,7 +275,9 @@ def load_model(
 
         tokenizer, eos = tp.agree(prepare if tp.rank == 0 else lambda: (None, None))
         eos = tp.broadcast_object(eos)
-        backend = load_tp_backend(Path(target_dir).parent, tp, DTYPES[dtype], drafter_dir is not None, tp_drafter, kv_pages,
+        # the convert output: DIR/target (two parts) or DIR itself (the one-engine checkpoint)
+        checkpoint = Path(target_dir) if is_engine_checkpoint(target_dir) else Path(target_dir).parent
+        backend = load_tp_backend(checkpoint, tp, DTYPES[dtype], drafter_dir is not None, tp_drafter, kv_pages,
                                   page_size, block_size)
     gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, use_drafter=drafter_dir is not None, max_seq_len=max_model_len,
                     max_verify_tokens=max_verify_tokens)
