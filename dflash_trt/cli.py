@@ -19,7 +19,7 @@ from .loading import (
 
 def cmd_generate(args) -> int:
     from .config import load_target_config
-    from .torch_backend import load_torch_backend
+    from .loading import load_torch_backend
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -63,7 +63,7 @@ def generate_checkpoint(args) -> int:
     from .config import load_target_config
     from .loading import load_tp_backend
     from .tp import init_tp, launched_world_size
-    from .torch_backend import load_torch_backend
+    from .loading import load_torch_backend
 
     ckpt = Path(args.checkpoint)
     target_dir, drafter_dir = checkpoint_parts(ckpt)

@@ -462,7 +462,7 @@ def convert(
 
 def _calibrate(target_dir, drafter_dir, prompts, samples, max_new_tokens, progress, log) -> dict[str, dict[str, float]]:
     from .quant.calibrate import calibrate
-    from .torch_backend import load_torch_backend
+    from .loading import load_torch_backend
 
     if prompts is None:
         from .loading import load_tokenizer

@@ -1,8 +1,14 @@
 """Directories and arguments in, what the runtime needs out: the one place every front end (cli, bench, convert,
 serve, scripts, examples) takes these facts from, so that no library module imports the CLI.
 
-The dtype names, the tokenizer of a model directory (local files, never remote code), prompt encoding with the
-chat template, the EOS union, prompt files, and the model-directory flags shared by generate / serve / triton-repo.
+- models from directories: `load_target`, `load_drafter`, `load_eagle_drafter`, `load_torch_backend`, and
+  `load_tp_backend` (each rank its own shards); the decision of what a directory holds (a Hugging Face model, a
+  converted TensorRT-LLM part, the one-engine checkpoint, ModelOpt's quantized HF) is made here and in
+  config.load_*_config, never in the models;
+- the tokenizer of a model directory (local files, never remote code), prompt encoding with the chat template,
+  the EOS union, prompt files;
+- the flags every front end shares (`add_model_flags`, `add_tp_flags`, `positive_int`) and their checks
+  (`check_model_dirs`, `check_dir`).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -288,4 +294,106 @@ def load_tp_backend(
         drafter = tp.agree(lambda: load_module(build, source, dtype, device))
         drafter.fuse_context_projections()
     tp.reset_stats()
+    return TorchBackend(target, drafter, num_pages=num_pages, page_size=page_size, block_size=block_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models from directories: the one place that decides what a directory holds (a Hugging Face model, a converted
+# TensorRT-LLM checkpoint of one part or of the one engine, ModelOpt's quantized HF) and reads its weights; the
+# models themselves take configs and tensors.
+
+
+def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") :
+    """From a Hugging Face directory, or from a converted TensorRT-LLM checkpoint (tp=1; weights dequantized)."""
+    from .checkpoint import load_module
+    from .config import load_target_config
+    from .models.target import TargetModel
+    from .trtllm_format import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
+
+    if is_trtllm_checkpoint(directory):
+        cfg, source = single_rank_source(directory, dtype)
+    else:
+        cfg = load_target_config(directory)
+        source = quantized_hf_source(directory, dtype) if is_quantized_hf(directory) else directory
+    # A tied checkpoint may still carry lm_head.weight; the embedding is what is used.
+    ignore = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    return load_module(lambda: TargetModel(cfg), source, dtype, device, ignore=ignore)
+
+
+def load_drafter(directory: str | Path, target_cfg, dtype: torch.dtype = torch.float32, device: str = "cpu") :
+    from .checkpoint import SafetensorsCheckpoint, load_module
+    from .config import check_pair, load_drafter_config
+    from .errors import CheckpointError
+    from .models.drafter import DFlashDrafter
+    from .trtllm_format import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
+
+    cfg = check_pair(target_cfg, load_drafter_config(directory))
+    feature_width = len(cfg.target_layer_ids) * target_cfg.hidden_size
+    if is_trtllm_checkpoint(directory) or is_quantized_hf(directory):
+        source = single_rank_source(directory, dtype, "drafter")[1] if is_trtllm_checkpoint(directory) else quantized_hf_source(directory, dtype)
+        model = load_module(lambda: DFlashDrafter(cfg, feature_width), source, dtype, device)
+        check_d2t(model, target_cfg.vocab_size, directory)
+        model.fuse_context_projections()
+        return model
+    ckpt = SafetensorsCheckpoint(directory)
+    if "fc.weight" in ckpt and ckpt.shape("fc.weight") != (cfg.hidden_size, feature_width):
+        raise CheckpointError(
+            f"fc input width {ckpt.shape('fc.weight')[-1]} != len(target_layer_ids)={len(cfg.target_layer_ids)} "
+            f"x target hidden_size={target_cfg.hidden_size} = {feature_width}",
+            file=ckpt.file_of("fc.weight"),
+            key="fc.weight",
+        )
+    model = load_module(lambda: DFlashDrafter(cfg, feature_width), directory, dtype, device)
+    check_d2t(model, target_cfg.vocab_size, directory)
+    model.fuse_context_projections()
+    return model
+
+
+def load_eagle_drafter(directory: str | Path, target_cfg, dtype=torch.float32, device="cpu"):
+    """The EAGLE-3-style baseline drafter of `directory`, checked against the target's config."""
+    from .checkpoint import load_module
+    from .config import check_pair
+    from .models.eagle import Eagle3Drafter, load_eagle_config
+
+    cfg = check_pair(target_cfg, load_eagle_config(directory))
+    width = len(cfg.target_layer_ids) * target_cfg.hidden_size
+    model = load_module(lambda: Eagle3Drafter(cfg, width), directory, dtype, device)
+    check_d2t(model, target_cfg.vocab_size, directory)
+    return model
+
+
+def check_d2t(module, vocab_size: int, directory: str | Path) -> None:
+    """A loaded `d2t` maps every draft token into the target's vocabulary (else drafting would index past the
+    lm_head): one error naming the checkpoint and the first bad entry."""
+    d2t = getattr(module, "d2t", None)
+    if d2t is None:
+        return
+    ids = torch.arange(len(d2t), device=d2t.device) + d2t
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise CheckpointError(
+            f"draft token {i} maps to target id {int(ids[i])} (d2t[{i}] = {int(d2t[i])}), outside the target's vocabulary "
+            f"[0, {vocab_size}); {bad.numel()} of {len(d2t)} entries are out of range", file=directory, key="d2t",
+        )
+
+
+def load_torch_backend(
+    target_dir,
+    drafter_dir=None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    num_pages: int = 256,
+    page_size: int = 16,
+    block_size: int | None = None,
+    drafter_type: str = "dflash",
+):
+    """Load and validate a target (and a DFlash or EAGLE-3-style drafter) from their directories."""
+    from .torch_backend import TorchBackend
+
+    target = load_target(target_dir, dtype=dtype, device=device)
+    drafter = None
+    if drafter_dir is not None:
+        load = load_eagle_drafter if drafter_type == "eagle3" else load_drafter
+        drafter = load(drafter_dir, target.cfg, dtype=dtype, device=device)
     return TorchBackend(target, drafter, num_pages=num_pages, page_size=page_size, block_size=block_size)

@@ -215,26 +215,3 @@ class TorchBackend:
             for i in live:
                 out[i].append(int(token[i]))
         return out
-
-
-def load_torch_backend(
-    target_dir,
-    drafter_dir=None,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-    num_pages: int = 256,
-    page_size: int = 16,
-    block_size: int | None = None,
-    drafter_type: str = "dflash",
-) -> TorchBackend:
-    """Load and validate a target (and a DFlash or EAGLE-3-style drafter) from their directories."""
-    from .models.drafter import load_drafter
-    from .models.eagle import load_eagle_drafter
-    from .models.target import load_target
-
-    target = load_target(target_dir, dtype=dtype, device=device)
-    drafter = None
-    if drafter_dir is not None:
-        load = load_eagle_drafter if drafter_type == "eagle3" else load_drafter
-        drafter = load(drafter_dir, target.cfg, dtype=dtype, device=device)
-    return TorchBackend(target, drafter, num_pages=num_pages, page_size=page_size, block_size=block_size)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from dflash_trt.loading import encode_prompt, generation_eos_ids, load_tokenizer
 from dflash_trt.config import build_target_layer_ids, load_target_config
 from dflash_trt.kv_cache import pool_pages
-from dflash_trt.models.target import load_target
+from dflash_trt.loading import load_target
 from dflash_trt.prompts import load_train_prompts
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams

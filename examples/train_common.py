@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from dflash_trt.checkpoint import atomic_directory
 from dflash_trt.config import parse_drafter_config
 from dflash_trt.models.layers import draft_vocab_head
-from dflash_trt.models.target import load_target
+from dflash_trt.loading import load_target
 
 
 def load_shards(data_dir: Path) -> list[dict]:

@@ -45,7 +45,7 @@ def test_the_scan_notices_a_member_missing_from_the_protocol():
 
 
 def test_backends_implement_the_protocol_with_its_signatures(tiny_dirs):
-    from dflash_trt.torch_backend import load_torch_backend
+    from dflash_trt.loading import load_torch_backend
 
     target_dir, drafter_dir = tiny_dirs
     backend = load_torch_backend(target_dir, drafter_dir)

@@ -3,8 +3,8 @@
 import json
 
 from dflash_trt.bench import Method, markdown, plot, run_bench
-from dflash_trt.models.drafter import load_drafter
-from dflash_trt.models.target import load_target
+from dflash_trt.loading import load_drafter
+from dflash_trt.loading import load_target
 from dflash_trt.torch_backend import TorchBackend
 
 

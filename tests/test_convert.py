@@ -21,7 +21,7 @@ from dflash_trt.quant import dequantize_fp8, dequantize_nvfp4, fp8_scale, nvfp4_
 from dflash_trt.quant.nvfp4 import nvfp4_block_scales
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
-from dflash_trt.torch_backend import load_torch_backend
+from dflash_trt.loading import load_torch_backend
 
 # Relative logit error bounds (max |Δlogit| / max |logit|) on the tiny random models, set with margin over
 # what was measured (fp8 0.13-0.21, nvfp4 0.46-0.65 with conftest's initializer_range 0.15, which makes these

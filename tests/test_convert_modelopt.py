@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from conftest import write_target
 from dflash_trt.convert import convert
 from dflash_trt.quant.calibrate import calibrate
-from dflash_trt.torch_backend import load_torch_backend
+from dflash_trt.loading import load_torch_backend
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 export = pytest.importorskip("modelopt.torch.export")

@@ -49,7 +49,7 @@ def test_choice_is_the_brute_force_optimum_of_tokens_per_second():
 
 
 def test_calibration_is_cached_and_not_measured_again(tiny_dirs, tmp_path, monkeypatch):
-    from dflash_trt.torch_backend import load_torch_backend
+    from dflash_trt.loading import load_torch_backend
 
     backend = load_torch_backend(*tiny_dirs, num_pages=256, page_size=4, block_size=8)
     cost = dl.load_or_calibrate(backend, "k", tmp_path, max_batch=2)
@@ -68,7 +68,7 @@ def test_calibration_is_cached_and_not_measured_again(tiny_dirs, tmp_path, monke
 
 def test_calibration_fits_a_small_pool_or_gives_up(tiny_dirs, tmp_path):
     """A pool of a few pages (a short prompt) shrinks the synthetic sequences; one that holds none means no policy."""
-    from dflash_trt.torch_backend import load_torch_backend
+    from dflash_trt.loading import load_torch_backend
 
     small = load_torch_backend(*tiny_dirs, num_pages=3, page_size=16, block_size=8)
     cost = dl.calibrate(small, max_batch=4)

@@ -23,7 +23,7 @@ from dflash_trt.loading import checkpoint_parts
 from dflash_trt.runtime import Generator
 from dflash_trt.safetensors_io import SafetensorsFile
 from dflash_trt.sampling import SamplingParams
-from dflash_trt.torch_backend import load_torch_backend
+from dflash_trt.loading import load_torch_backend
 from dflash_trt.trtllm_config import ENGINE_DRAFTER_PREFIX, ENGINE_KEYS
 from dflash_trt.trtllm_format import read_rank
 

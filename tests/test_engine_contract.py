@@ -16,8 +16,8 @@ import torch
 from conftest import write_drafter, write_target
 from scipy.stats import chisquare
 
-from dflash_trt.models.drafter import load_drafter
-from dflash_trt.models.target import load_target
+from dflash_trt.loading import load_drafter
+from dflash_trt.loading import load_target
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.torch_backend import TorchBackend

@@ -16,7 +16,7 @@ from test_lossless import OracleDrafts
 from dflash_trt.config import load_target_config
 from dflash_trt.convert import convert
 from dflash_trt.errors import ConfigError
-from dflash_trt.models.target import load_target
+from dflash_trt.loading import load_target
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.torch_backend import TorchBackend
@@ -118,7 +118,7 @@ def test_speculative_greedy_equals_transformers_greedy_on_gpt_oss(lossless_setup
     """24 new tokens past prompts of 3..20: every sliding window moves, also across rolled-back blocks.
     The random drafter rejects almost everything; the oracle (the real drafter runs, then the true
     continuation is proposed, corrupted at a random point) drives long acceptances and partial rollbacks."""
-    from dflash_trt.models.drafter import load_drafter
+    from dflash_trt.loading import load_drafter
 
     target_dir, drafter_dir, prompts, refs, target = lossless_setup
     backend = TorchBackend(target, load_drafter(drafter_dir, target.cfg), num_pages=256, page_size=4, block_size=block)

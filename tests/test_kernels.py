@@ -137,7 +137,7 @@ def test_greedy_accept_equals_reference():
                     reason="the tiny target is written by transformers, which the lent GPU machine lacks (CPU CI has it)")
 @pytest.mark.parametrize("sliding", [False, True])
 def test_drafter_drafts_the_same_tokens_on_the_triton_path(tiny_dirs, tmp_path, monkeypatch, sliding):
-    from dflash_trt.torch_backend import load_torch_backend
+    from dflash_trt.loading import load_torch_backend
 
     target_dir, drafter_dir = tiny_dirs
     if sliding:

@@ -126,3 +126,33 @@ def test_the_circle_finder_finds_a_circle_and_skips_type_checking_imports():
     assert circles({"a": {"b"}, "b": set()}) == []
     guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .tp import TPGroup\nfrom .errors import X\n"
     assert imported_modules(guarded, "dflash_trt.torch_backend") == {"dflash_trt.errors", "dflash_trt.errors.X"}
+
+
+# The layers, top to bottom, listed once (docs/architecture.md draws them). A module belongs to the layer of its
+# longest listed prefix; a package's modules go with it unless listed themselves.
+LAYERS = [
+    ("front ends", ["cli", "bench", "convert", "serve", "trtllm.build", "trtllm.trtllm_build", "trtllm.emulation_check"]),
+    ("loading", ["loading", "quant.calibrate"]),
+    ("runtime", ["runtime", "speculative", "torch_backend", "tp", "draft_length", "sampling", "trtllm.emulation", "trtllm.executor"]),
+    ("models and kernels", ["models", "kernels", "kv_cache", "trtllm.model", "trtllm.network", "trtllm.plugin_library"]),
+    ("formats", ["config", "trtllm_config", "trtllm_format", "checkpoint", "safetensors_io", "quant", "prompts", "fetch"]),
+    ("base", ["errors", "parallel", "progress", "trtllm.api", "trtllm.contract", "trtllm", "dflash_trt"]),
+]
+MAX_UPWARD = 0  # issue 16 allows 2; there are none
+
+
+def layer_of(module: str) -> int | None:
+    short = module if module == "dflash_trt" else module.removeprefix("dflash_trt.")
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (short == prefix or short.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
+    return None if best is None else best[0]
+
+
+def test_every_module_has_a_layer_and_imports_point_down():
+    graph = import_graph()
+    assert [m for m in graph if layer_of(m) is None] == []
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer_of(d) < layer_of(m))
+    assert len(upward) <= MAX_UPWARD, upward

@@ -14,8 +14,8 @@ import torch
 import transformers
 from conftest import write_drafter, write_target
 
-from dflash_trt.models.drafter import load_drafter
-from dflash_trt.models.target import load_target
+from dflash_trt.loading import load_drafter
+from dflash_trt.loading import load_target
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.torch_backend import TorchBackend
@@ -219,7 +219,7 @@ def test_drafts_inside_the_loop_equal_naive_drafts_recomputed_from_scratch(setup
 def test_eagle_baseline_is_lossless_with_long_acceptances(setup, tmp_path, batch, block):
     from conftest import write_eagle
 
-    from dflash_trt.models.eagle import load_eagle_drafter
+    from dflash_trt.loading import load_eagle_drafter
 
     targets, drafters, prompts, refs, models = setup
     eagle = load_eagle_drafter(write_eagle(tmp_path / "eagle", targets["llama"], block_size=8), models["llama"].cfg)
@@ -236,7 +236,7 @@ def test_eagle_chain_drafts_equal_a_full_recompute(setup, tmp_path):
     import torch.nn.functional as F
     from conftest import write_eagle
 
-    from dflash_trt.models.eagle import load_eagle_drafter
+    from dflash_trt.loading import load_eagle_drafter
 
     targets, drafters, prompts, refs, models = setup
     target = models["llama"]

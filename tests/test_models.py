@@ -8,8 +8,8 @@ import transformers
 from conftest import assert_equals_transformers, write_drafter, write_target
 from naive_dflash import naive_block_logits
 
-from dflash_trt.models.drafter import load_drafter
-from dflash_trt.models.target import load_target
+from dflash_trt.loading import load_drafter
+from dflash_trt.loading import load_target
 
 TARGETS = {
     "llama-untied-gqa": dict(arch="llama"),

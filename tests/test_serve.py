@@ -23,7 +23,7 @@ from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.serve.engine import load_model
 from dflash_trt.serve.server import Server, create_app
-from dflash_trt.torch_backend import load_torch_backend
+from dflash_trt.loading import load_torch_backend
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "hello world", "The lazy dog", "return a + b", "quick fox jumps"]
 MAX_MODEL_LEN = 320

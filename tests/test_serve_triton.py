@@ -17,7 +17,7 @@ from dflash_trt.cli import main
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.serve.triton_repo import write_repository
-from dflash_trt.torch_backend import load_torch_backend
+from dflash_trt.loading import load_torch_backend
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 from google.protobuf import json_format, text_format

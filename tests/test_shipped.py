@@ -6,9 +6,9 @@ import pytest
 
 from dflash_trt.loading import encode_prompt, load_tokenizer
 from dflash_trt.fetch import fetch_smollm2
-from dflash_trt.models.drafter import load_drafter
-from dflash_trt.models.eagle import load_eagle_drafter
-from dflash_trt.models.target import load_target
+from dflash_trt.loading import load_drafter
+from dflash_trt.loading import load_eagle_drafter
+from dflash_trt.loading import load_target
 from dflash_trt.prompts import load_eval_prompts
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams

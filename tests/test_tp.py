@@ -24,8 +24,8 @@ from tp_worker import OracleDrafts, RecordedDrafts
 from dflash_trt.cli import main
 from dflash_trt.loading import encode_prompt, load_tokenizer
 from dflash_trt.convert import convert
-from dflash_trt.models.drafter import load_drafter
-from dflash_trt.models.target import load_target
+from dflash_trt.loading import load_drafter
+from dflash_trt.loading import load_target
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.torch_backend import TorchBackend

@@ -29,7 +29,7 @@ from test_tp import MPIRUN, QUIET
 from dflash_trt.convert import convert
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
-from dflash_trt.torch_backend import load_torch_backend
+from dflash_trt.loading import load_torch_backend
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "hello world", "return a + b"]
 TP_TIMEOUT_S = 4.0  # small, so the test can idle past it: heartbeats every 1 s keep the group alive

@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import train_dflash  # noqa: E402
 import train_eagle3  # noqa: E402
 
-from dflash_trt.models.drafter import load_drafter  # noqa: E402
-from dflash_trt.models.eagle import load_eagle_drafter  # noqa: E402
-from dflash_trt.models.target import load_target  # noqa: E402
+from dflash_trt.loading import load_drafter  # noqa: E402
+from dflash_trt.loading import load_eagle_drafter  # noqa: E402
+from dflash_trt.loading import load_target  # noqa: E402
 from dflash_trt.runtime import Generator  # noqa: E402
 from dflash_trt.sampling import SamplingParams  # noqa: E402
 from dflash_trt.torch_backend import TorchBackend  # noqa: E402

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
-import inspect
 import re
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 import yaml
 
 from dflash_trt import cli, convert

@@ -14,17 +14,14 @@ The drafter has no embedding or lm_head; both come from the target.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..checkpoint import SafetensorsCheckpoint, load_module
-from ..config import DrafterConfig, TargetConfig, check_pair, load_drafter_config
-from ..errors import CheckpointError
+from ..config import DrafterConfig
 from ..kv_cache import AttentionBatch, PagedKVCache
 from .. import kernels
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary, check_d2t, register_d2t
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary, register_d2t
 
 
 class DrafterLayer(nn.Module):
@@ -86,28 +83,3 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], batch)
         return self.norm(x)
-
-
-def load_drafter(directory: str | Path, target_cfg: TargetConfig, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DFlashDrafter:
-    from ..trtllm_format import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
-
-    cfg = check_pair(target_cfg, load_drafter_config(directory))
-    feature_width = len(cfg.target_layer_ids) * target_cfg.hidden_size
-    if is_trtllm_checkpoint(directory) or is_quantized_hf(directory):
-        source = single_rank_source(directory, dtype, "drafter")[1] if is_trtllm_checkpoint(directory) else quantized_hf_source(directory, dtype)
-        model = load_module(lambda: DFlashDrafter(cfg, feature_width), source, dtype, device)
-        check_d2t(model, target_cfg.vocab_size, directory)
-        model.fuse_context_projections()
-        return model
-    ckpt = SafetensorsCheckpoint(directory)
-    if "fc.weight" in ckpt and ckpt.shape("fc.weight") != (cfg.hidden_size, feature_width):
-        raise CheckpointError(
-            f"fc input width {ckpt.shape('fc.weight')[-1]} != len(target_layer_ids)={len(cfg.target_layer_ids)} "
-            f"x target hidden_size={target_cfg.hidden_size} = {feature_width}",
-            file=ckpt.file_of("fc.weight"),
-            key="fc.weight",
-        )
-    model = load_module(lambda: DFlashDrafter(cfg, feature_width), directory, dtype, device)
-    check_d2t(model, target_cfg.vocab_size, directory)
-    model.fuse_context_projections()
-    return model

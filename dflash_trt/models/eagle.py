@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import load_module
-from ..config import DrafterConfig, TargetConfig, check_pair, load_drafter_config
+from ..config import DrafterConfig, load_drafter_config
 from ..kv_cache import AttentionBatch, PagedKVCache
-from .layers import MLP, RMSNorm, Rotary, apply_rope, check_d2t, paged_attention, register_d2t
+from .layers import MLP, RMSNorm, Rotary, apply_rope, paged_attention, register_d2t
 
 EAGLE_ARCHITECTURE = "DFlashTrtEagle3Drafter"
 
@@ -84,11 +83,3 @@ class Eagle3Drafter(nn.Module):
 def load_eagle_config(directory: str | Path) -> DrafterConfig:
     """Our EAGLE checkpoints reuse the DFlash config fields (layer ids, block_size = 1 + max chain length)."""
     return load_drafter_config(directory, architecture=EAGLE_ARCHITECTURE)
-
-
-def load_eagle_drafter(directory: str | Path, target_cfg: TargetConfig, dtype=torch.float32, device="cpu") -> Eagle3Drafter:
-    cfg = check_pair(target_cfg, load_eagle_config(directory))
-    width = len(cfg.target_layer_ids) * target_cfg.hidden_size
-    model = load_module(lambda: Eagle3Drafter(cfg, width), directory, dtype, device)
-    check_d2t(model, target_cfg.vocab_size, directory)
-    return model

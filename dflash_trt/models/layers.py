@@ -6,14 +6,11 @@ concatenated; `AttentionBatch` says which rows belong to which sequence.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import RopeConfig, TransformerConfig, rope_inv_freq
-from ..errors import CheckpointError
 from ..kv_cache import AttentionBatch
 
 
@@ -117,22 +114,6 @@ def register_d2t(module: nn.Module, size: int | None) -> None:
         module.d2t = None
     else:
         module.register_buffer("d2t", torch.zeros(size, dtype=torch.long))
-
-
-def check_d2t(module: nn.Module, vocab_size: int, directory: str | Path) -> None:
-    """A loaded `d2t` maps every draft token into the target's vocabulary (else drafting would index past the
-    lm_head): one error naming the checkpoint and the first bad entry."""
-    d2t = getattr(module, "d2t", None)
-    if d2t is None:
-        return
-    ids = torch.arange(len(d2t), device=d2t.device) + d2t
-    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        raise CheckpointError(
-            f"draft token {i} maps to target id {int(ids[i])} (d2t[{i}] = {int(d2t[i])}), outside the target's vocabulary "
-            f"[0, {vocab_size}); {bad.numel()} of {len(d2t)} entries are out of range", file=directory, key="d2t",
-        )
 
 
 def paged_attention(

@@ -8,14 +8,12 @@ decoder layer in `capture_layers` (hidden + residual, before the final norm, i.e
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import load_module
-from ..config import TargetConfig, load_target_config
+from ..config import TargetConfig
 from ..kv_cache import AttentionBatch, PagedKVCache
 from .layers import MLP, AttentionProjections, RMSNorm, Rotary, paged_attention
 from .moe import MoE
@@ -96,17 +94,3 @@ class TargetModel(nn.Module):
         if logits_rows is not None:
             h = h[logits_rows]
         return self.logits(h), features
-
-
-def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TargetModel:
-    """From a Hugging Face directory, or from a converted TensorRT-LLM checkpoint (tp=1; weights dequantized)."""
-    from ..trtllm_format import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
-
-    if is_trtllm_checkpoint(directory):
-        cfg, source = single_rank_source(directory, dtype)
-    else:
-        cfg = load_target_config(directory)
-        source = quantized_hf_source(directory, dtype) if is_quantized_hf(directory) else directory
-    # A tied checkpoint may still carry lm_head.weight; the embedding is what is used.
-    ignore = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    return load_module(lambda: TargetModel(cfg), source, dtype, device, ignore=ignore)

@@ -252,7 +252,7 @@ def load_model(
     alone reads the tokenizer (None on the others) and sends the EOS ids."""
     from ..loading import DTYPES, generation_eos_ids, load_tokenizer
     from ..config import load_target_config
-    from ..torch_backend import load_torch_backend
+    from ..loading import load_torch_backend
 
     target_cfg = load_target_config(target_dir)  # fail on the config before touching weights
     limit = target_cfg.max_position_embeddings

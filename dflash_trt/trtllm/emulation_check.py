@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from ..models.drafter import load_drafter
-from ..models.target import load_target
+from ..loading import load_drafter
+from ..loading import load_target
 from ..runtime import Generator
 from ..sampling import SamplingParams
 from ..torch_backend import TorchBackend

@@ -3,8 +3,8 @@ torch.set_num_threads(2)
 from dflash_trt.bench import Method, _run
 from dflash_trt.loading import encode_prompt, generation_eos_ids, load_tokenizer
 from dflash_trt.draft_length import StepCost
-from dflash_trt.models.target import load_target
-from dflash_trt.models.drafter import load_drafter
+from dflash_trt.loading import load_target
+from dflash_trt.loading import load_drafter
 from dflash_trt.prompts import load_eval_prompts
 from dflash_trt.torch_backend import TorchBackend
 T="/root/.cache/dflash-trt/SmolLM2-135M-Instruct"; D="examples/drafters/smollm2-dflash-b16"
