@@ -100,11 +100,18 @@ def main() -> None:
         (out / f"{name}.json").write_text(json.dumps(meta))
         shard += 1
         bar.set_postfix(gen_tokens=total_tokens, tok_s=f"{total_tokens / (time.time() - start):.0f}")
+        write_info(out, args, layer_ids, shard * args.shard_size if lo + args.shard_size < len(prompts) else len(prompts), total_tokens, start)
     bar.close()
-    (out / "info.json").write_text(json.dumps({
+    write_info(out, args, layer_ids, len(prompts), total_tokens, start)
+
+
+def write_info(out: Path, args, layer_ids: list[int], sequences: int, total_tokens: int, start: float) -> None:
+    """info.json after every shard: a stopped run leaves data the trainers read (the shards written so far)."""
+    (out / "info.json.tmp").write_text(json.dumps({
         "target": str(args.target), "layer_ids": layer_ids, "mix": args.mix, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-        "sequences": len(prompts), "generated_tokens": total_tokens, "wall_s": round(time.time() - start, 1),
+        "sequences": sequences, "generated_tokens": total_tokens, "wall_s": round(time.time() - start, 1),
     }, indent=2))
+    (out / "info.json.tmp").replace(out / "info.json")
 
 
 if __name__ == "__main__":

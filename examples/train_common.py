@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -44,8 +45,33 @@ def common_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draft-vocab", type=int, default=8192, help="draft only from the N most frequent answer tokens (d2t); 0 = full vocabulary")
+    ap.add_argument("--init-from", help="resume from this drafter directory (its config, d2t and weights): training goes on from a "
+                    "shipped drafter, and its learning_curve.json, if any, continues")
+    ap.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                    help="muon: torch.optim.Muon on the weight matrices (momentum 0.95, weight decay 0.1, RMS matched to AdamW) and "
+                         "AdamW (weight decay 0.01) on the rest, as speculators 0.9.0 trains DFlash")
+    ap.add_argument("--schedule", choices=["cosine", "linear"], default="cosine", help="learning-rate decay after the warmup")
+    ap.add_argument("--heldout", type=float, default=0.0, help="fraction of sequences held out of training for the learning curve, "
+                    "chosen by a hash of the prompt id (the same ones in every run, whatever the data's size; 0: no curve)")
+    ap.add_argument("--eval-every", type=float, default=5.0, help="minutes between held-out evaluations (each also writes a checkpoint)")
     ap.add_argument("--force", action="store_true")
     return ap
+
+
+def split_heldout(seqs: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+    """(training, held-out): a sequence is held out when a hash of its domain and prompt id falls under `fraction`, so
+    the split never changes as data is added, and a resumed run never trains on what an earlier run held out."""
+    def held(s: dict) -> bool:
+        digest = hashlib.sha1(f"{s.get('domain')}/{s.get('id')}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+    return [s for s in seqs if not held(s)], [s for s in seqs if held(s)]
+
+
+def previous_curve(init_from: str | None) -> list[dict]:
+    """The learning curve of the drafter a run resumes from (empty for a fresh start)."""
+    path = Path(init_from) / "learning_curve.json" if init_from else None
+    return json.loads(path.read_text())["points"] if path is not None and path.is_file() else []
 
 
 def load_inputs(args):
@@ -91,49 +117,126 @@ def draft_vocab(seqs: list[dict], size: int, vocab_size: int) -> tuple[torch.Ten
     return ids - torch.arange(size), float(counts[ids].sum() / counts.sum())
 
 
-def fit(model: torch.nn.Module, loss_fn: Callable, seqs: list[dict], args, name: str) -> dict:
-    """AdamW, linear warmup + cosine decay, grad clip 1, bf16 autocast. loss_fn(seq, rng) → (loss, acc) or None."""
+def _optimizers(model: torch.nn.Module, args) -> list[torch.optim.Optimizer]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if args.optimizer == "adamw":
+        return [torch.optim.AdamW([p for _, p in named], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)]
+    matrices = [p for _, p in named if p.dim() == 2]
+    rest = [p for _, p in named if p.dim() != 2]
+    opts: list[torch.optim.Optimizer] = [torch.optim.Muon(matrices, lr=args.lr, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")]
+    if rest:
+        opts.append(torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01))
+    return opts
+
+
+def fit(model: torch.nn.Module, loss_fn: Callable, seqs: list[dict], args, name: str, evaluate: Callable | None = None,
+        checkpoint: Callable | None = None, curve: list[dict] | None = None) -> dict:
+    """Warmup then cosine or linear decay, grad clip 1, bf16 autocast; AdamW, or Muon + AdamW (--optimizer).
+    loss_fn(seq, rng) → (loss, acc) or None. With `evaluate` (model → metrics dict), the held-out metrics are
+    measured at the start, every --eval-every minutes and at the end, appended to `curve` (a learning curve
+    whose `train_tokens` go on from its last point), and `checkpoint(run)` is called after each."""
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     steps = max(1, int(args.epochs * len(seqs) / args.seqs_per_step))
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opts = _optimizers(model, args)
     warm = max(1, int(args.warmup * steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    print(f"{name}: {n_params / 1e6:.2f}M params, {len(seqs)} sequences, {steps} steps planned", file=sys.stderr)
+
+    def factor(s: int) -> float:
+        decay = 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) if args.schedule == "cosine" else max(0.0, 1 - s / steps)
+        return min(1.0, (s + 1) / warm) * decay
+
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in opts]
+    print(f"{name}: {n_params / 1e6:.2f}M params, {len(seqs)} sequences, {steps} steps planned ({args.optimizer}, {args.schedule})", file=sys.stderr)
+    curve = curve if curve is not None else []
+    tokens0 = curve[-1]["train_tokens"] if curve else 0
+    run = {"steps": 0, "planned_steps": steps, "wall_s": 0.0, "loss_ema": None, "log": [], "n_params": n_params, "curve": curve,
+           "train_tokens": 0}
+
+    def measure(step: int) -> None:
+        if evaluate is None:
+            return
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            metrics = evaluate(model)
+        model.train()
+        point = {"train_tokens": tokens0 + run["train_tokens"], "step": step, "elapsed_s": round(time.time() - start, 1), **metrics}
+        curve.append(point)
+        print(json.dumps({"heldout": point}), file=sys.stderr, flush=True)
+        if checkpoint is not None:
+            checkpoint(run)
+
     order: list[int] = []
-    start, log, ema, done = time.time(), [], None, 0
+    start, ema = time.time(), None
+    last_eval = start
+    measure(0)  # the starting point (for a resumed drafter: itself, on this run's held-out set)
     for step in range(steps):
         if args.max_minutes is not None and time.time() - start > args.max_minutes * 60:
             break
-        opt.zero_grad()
+        for o in opts:
+            o.zero_grad()
         total, accs = 0.0, []
         for _ in range(args.seqs_per_step):
             if not order:
                 order = list(range(len(seqs)))
                 rng.shuffle(order)
+            seq = seqs[order.pop()]
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                res = loss_fn(seqs[order.pop()], rng)
+                res = loss_fn(seq, rng)
             if res is None:
                 continue
             loss, acc = res
             (loss / args.seqs_per_step).backward()
             total += loss.item() / args.seqs_per_step
             accs.append(acc)
+            run["train_tokens"] += len(seq["tokens"]) - seq["prompt_len"]
         torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        done = step + 1
+        for o, sc in zip(opts, scheds):
+            o.step()
+            sc.step()
+        run["steps"] = step + 1
         ema = total if ema is None else 0.98 * ema + 0.02 * total
+        run["loss_ema"], run["wall_s"] = ema, time.time() - start
         if step % 25 == 0 or step == steps - 1:
             row = {"step": step, "loss": round(total, 4), "loss_ema": round(ema, 4), "acc_first": round(sum(accs) / max(1, len(accs)), 3),
-                   "lr": round(sched.get_last_lr()[0], 7), "elapsed_s": round(time.time() - start, 1)}
-            log.append(row)
+                   "lr": round(scheds[0].get_last_lr()[0], 7), "elapsed_s": round(time.time() - start, 1)}
+            run["log"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+        if evaluate is not None and time.time() - last_eval > args.eval_every * 60:
+            measure(step + 1)
+            last_eval = time.time()
+    if evaluate is not None and (not curve or curve[-1]["step"] != run["steps"]):
+        measure(run["steps"])
     model.eval()
-    return {"steps": done, "planned_steps": steps, "wall_s": time.time() - start, "loss_ema": ema, "log": log, "n_params": n_params}
+    run["wall_s"] = time.time() - start
+    return run
+
+
+def plot_curve(curve: list[dict], path: Path, title: str) -> bool:
+    """Held-out τ (and slot-1 accuracy) against training tokens, as a PNG; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    x = [p["train_tokens"] / 1e6 for p in curve]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(x, [p["tau"] for p in curve], "o-", label="held-out τ (teacher-forced, greedy)")
+    ax.set_xlabel("training tokens (M, answer tokens seen)")
+    ax.set_ylabel("τ (tokens per target step)")
+    ax2 = ax.twinx()
+    ax2.plot(x, [p["accept_rate"][0] for p in curve], "s--", color="gray", label="slot-1 acceptance")
+    ax2.set_ylabel("slot-1 acceptance")
+    ax.set_title(title, fontsize=9)
+    fig.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def model_card(title: str, script: str, info: dict, run: dict, args, details: list[str]) -> str:
@@ -144,10 +247,18 @@ def model_card(title: str, script: str, info: dict, run: dict, args, details: li
         "",
         *[f"- {d}" for d in details],
         f"- {run['n_params'] / 1e6:.2f}M parameters ({run['n_params'] * 2 / 2**20:.1f} MiB in bf16)",
-        f"- {run['steps']} steps (of {run['planned_steps']} planned) x {args.seqs_per_step} sequences, lr {args.lr}, warmup {args.warmup}, cosine, AdamW, bf16 autocast",
-        f"- wall time {run['wall_s'] / 60:.1f} min on 2 CPU cores; final loss (EMA) {run['loss_ema']:.3f}",
-        "", "Training log:", "", "```", *[json.dumps(r) for r in run["log"]], "```", "",
+        f"- {run['steps']} steps (of {run['planned_steps']} planned) x {args.seqs_per_step} sequences, lr {args.lr}, warmup {args.warmup}, "
+        f"{args.schedule}, {'Muon + AdamW' if args.optimizer == 'muon' else 'AdamW'}, bf16 autocast"
+        + (f", resumed from `{args.init_from}`" if args.init_from else ""),
+        f"- wall time {run['wall_s'] / 60:.1f} min, {args.threads} CPU thread(s); final loss (EMA) "
+        + (f"{run['loss_ema']:.3f}" if run["loss_ema"] is not None else "– (no step yet)"),
     ]
+    if run.get("curve"):
+        lines += ["", "Learning curve (`learning_curve.json`, `learning_curve.png`): held-out τ, teacher-forced at random anchors of "
+                  "held-out target answers (what greedy decoding accepts from the same context), against answer tokens trained on "
+                  "in this drafter's lineage:", "", "| training tokens | step | held-out τ | slot-1 acceptance |", "|---|---|---|---|"]
+        lines += [f"| {p['train_tokens']:,} | {p['step']} | {p['tau']:.3f} | {p['accept_rate'][0]:.3f} |" for p in run["curve"]]
+    lines += ["", "Training log:", "", "```", *[json.dumps(r) for r in run["log"]], "```", ""]
     return "\n".join(lines)
 
 
@@ -156,14 +267,17 @@ def finish(model: torch.nn.Module, raw_cfg: dict, args, info: dict, run: dict, t
 
     `coverage`: the fraction of answer tokens the draft vocabulary holds (from build_drafter)."""
     details = details + [f"draft vocabulary: {args.draft_vocab or 'all'} tokens (d2t), covering {coverage:.1%} of answer tokens"]
-    export(model, raw_cfg, Path(args.out), model_card(title, script, info, run, args, details), args.force)
+    export(model, raw_cfg, Path(args.out), model_card(title, script, info, run, args, details), args.force, run.get("curve"), title)
     print(f"wrote {args.out} after {run['wall_s'] / 60:.1f} min", file=sys.stderr)
     return run
 
 
-def export(model: torch.nn.Module, raw_cfg: dict, out: Path, card: str, force: bool) -> None:
-    """config.json + bf16 model.safetensors + README.md, written atomically."""
+def export(model: torch.nn.Module, raw_cfg: dict, out: Path, card: str, force: bool, curve: list[dict] | None = None, title: str = "") -> None:
+    """config.json + bf16 model.safetensors + README.md (+ learning_curve.json / .png), written atomically."""
     with atomic_directory(out, force=force) as tmp:
+        if curve:
+            (tmp / "learning_curve.json").write_text(json.dumps({"points": curve}, indent=2) + "\n")
+            plot_curve(curve, tmp / "learning_curve.png", title)
         (tmp / "config.json").write_text(json.dumps(raw_cfg, indent=2) + "\n")
         state = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -4,23 +4,30 @@ The recipe of the paper as SpecForge implements it (reference/dflash-peers.md §
 is frozen (its features are precomputed, its embedding and lm_head shared); per sequence many
 random anchors a in the target's own answer; each block is [token_a, mask × (B-1)] at
 positions a..a+B-1; its context is the features of positions strictly before a; the block
-attends bidirectionally within itself; slot k predicts token a+k with loss weight
-exp(-(k-1)/γ), γ = 7 for B = 16.
+attends bidirectionally within itself; slot k predicts token a+k (the target's own greedy token) with
+loss weight exp(-(k-1)/γ), γ = 7 for B = 16 (`--weighting exp`), or D-PACE (`--weighting dpace`, what
+speculators 0.9.0 trains DFlash with, losses/utils.py): w_k = Σ_{j≥k} Π_{i≤j} ((1-α) q_i + α), q_i the
+drafter's own (detached) probability of slot i's label, i.e. the expected number of tokens accepted from
+slot k on; summed CE·w over the count of labelled slots. `--init-from DIR` resumes from a drafter; with
+`--heldout F` the held-out τ is measured every `--eval-every` minutes into a learning curve (PNG + JSON in
+the drafter's directory), and each measurement writes a checkpoint there.
 
     python examples/train_dflash.py --target TARGET --data data/train --out examples/drafters/smollm2-dflash-b16
 """
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_common import build_drafter, common_args, finish, fit, load_inputs, training_head
+from train_common import build_drafter, common_args, export, finish, fit, load_inputs, model_card, previous_curve, split_heldout, training_head
 
 from dflash_trt.config import DRAFTER_ARCHITECTURE, load_target_config
 from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.loading import load_drafter
 from dflash_trt.models.layers import apply_rope
 
 
@@ -68,19 +75,15 @@ def init_from_target(drafter: DFlashDrafter, target) -> None:
         drafter.norm.weight.copy_(target.model.norm.weight)
 
 
-def dflash_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: tuple, seq: dict, num_anchors: int, gamma: float, rng: random.Random):
-    """Weighted CE over the blocks of `num_anchors` random anchors of one sequence. Returns (loss, accuracy of slot 1).
-
-    head: (lm_head rows of the draft vocabulary, target id → row or -1), see train_common.training_head."""
+def block_outputs(drafter: DFlashDrafter, embed: torch.Tensor, head: tuple, seq: dict, anchors: list[int]):
+    """The drafter's logits for the blocks at `anchors` of one sequence, as at run time: block [token_a, mask × (B-1)]
+    at positions a..a+B-1 over the context features of positions < a. Returns (logits [n, Vd] of the labelled slots,
+    labels y [A, B-1] in draft ids, -1 where unlabelled: past the end or outside the draft vocabulary, valid = y >= 0)."""
     lm_head, t2d = head
     cfg = drafter.cfg
     B = cfg.block_size
-    tokens, feats, n_prompt = seq["tokens"], seq["features"], seq["prompt_len"]
+    tokens, feats = seq["tokens"], seq["features"]
     L = len(tokens)
-    candidates = list(range(n_prompt, L - 1))  # anchor = a committed answer token with a successor
-    if not candidates:
-        return None
-    anchors = sorted(rng.sample(candidates, min(num_anchors, len(candidates))))
     A = len(anchors)
     anchor_t = torch.tensor(anchors)
     slot = torch.arange(B)
@@ -89,7 +92,6 @@ def dflash_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: tuple, seq: d
     block_ids[:, 0] = tokens[anchor_t]
     label_pos = anchor_t[:, None] + slot[None]
     labels = torch.where(label_pos < L, tokens[label_pos.clamp(max=L - 1)], -100)
-    labels[:, 0] = -100  # slot 0 is the known anchor token
 
     C = feats.shape[0]  # context positions 0..C-1 (C = L - 1)
     ctx = drafter.hidden_norm(drafter.fc(feats.to(drafter.fc.weight.dtype)))  # [C, H]
@@ -113,14 +115,45 @@ def dflash_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: tuple, seq: d
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask[None, None], enable_gqa=nh != nkv)
         x = x + attn.o_proj(out[0].transpose(0, 1).reshape(-1, nh * hd))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    h = drafter.norm(x).view(A, B, -1)[:, 1:]  # slots 1..B-1
+    h = drafter.norm(x).view(A, B, -1)[:, 1:]  # slots 1..B-1 (slot 0 is the known anchor token)
     y = labels[:, 1:]
-    y = torch.where(y >= 0, t2d[y.clamp(min=0)], -1)  # labels outside the draft vocabulary are skipped
+    y = torch.where(y >= 0, t2d[y.clamp(min=0)], -1)
     valid = y >= 0
-    logits = F.linear(h[valid], lm_head).float()
-    weights = torch.exp(-(slot[1:].float() - 1) / gamma)[None].expand(A, -1)[valid]
-    ce = F.cross_entropy(logits, y[valid], reduction="none")
-    loss = (ce * weights).sum() / weights.sum()
+    return F.linear(h[valid], lm_head).float(), y, valid
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE weights [A, B-1] from the per-slot CE [A, B-1] (0 where not valid): w_k = m_k Σ_{j≥k} m_j Π_{i≤j} s_i,
+    s_i = (1-α) exp(-ce_i) + α (1 where unlabelled); detached, not normalised (speculators losses/utils.py)."""
+    with torch.no_grad():
+        m = valid.float()
+        s = torch.where(valid, (1 - alpha) * torch.exp(-ce) + alpha, torch.ones_like(ce))
+        prefix = torch.cumprod(s, dim=-1)
+        tail = torch.flip(torch.cumsum(torch.flip(prefix * m, [-1]), -1), [-1])
+        return tail * m
+
+
+def dflash_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: tuple, seq: dict, num_anchors: int, gamma: float, rng: random.Random,
+                weighting: str = "exp", alpha: float = 0.5):
+    """Weighted CE over the blocks of `num_anchors` random anchors of one sequence. Returns (loss, accuracy of slot 1).
+
+    head: (lm_head rows of the draft vocabulary, target id → row or -1), see train_common.training_head."""
+    n_prompt, L = seq["prompt_len"], len(seq["tokens"])
+    candidates = list(range(n_prompt, L - 1))  # anchor = a committed answer token with a successor
+    if not candidates:
+        return None
+    anchors = sorted(rng.sample(candidates, min(num_anchors, len(candidates))))
+    logits, y, valid = block_outputs(drafter, embed, head, seq, anchors)
+    ce_rows = F.cross_entropy(logits, y[valid], reduction="none")
+    if weighting == "dpace":
+        ce = torch.zeros(y.shape, dtype=ce_rows.dtype)
+        ce[valid] = ce_rows.detach()
+        weights = dpace_weights(ce, valid, alpha)[valid]
+        loss = (ce_rows * weights).sum() / valid.sum().clamp(min=1)
+    else:
+        slot = torch.arange(1, y.shape[1] + 1)
+        weights = torch.exp(-(slot.float() - 1) / gamma)[None].expand(len(anchors), -1)[valid]
+        loss = (ce_rows * weights).sum() / weights.sum()
     # rows of `logits` are valid (anchor, slot) pairs in row-major order; slot 1 is column 0
     is_slot1 = torch.zeros_like(valid)
     is_slot1[:, 0] = True
@@ -128,29 +161,90 @@ def dflash_loss(drafter: DFlashDrafter, embed: torch.Tensor, head: tuple, seq: d
     return loss, float(hits.float().mean()) if hits.numel() else 0.0
 
 
+def heldout_tau(drafter: DFlashDrafter, embed: torch.Tensor, head: tuple, seqs: list[dict], anchors_per_seq: int, seed: int = 0) -> dict:
+    """τ on held-out sequences, teacher-forced: at random anchors of each answer (the same ones at every call), the
+    drafts are the drafter's greedy block and greedy verification accepts their longest prefix equal to the
+    target's own tokens, plus one: exactly what decoding accepts from that context. Also P(accepted ≥ k)."""
+    rng = random.Random(seed)
+    B = drafter.cfg.block_size
+    accepted = []
+    for seq in seqs:
+        L = len(seq["tokens"])
+        candidates = list(range(seq["prompt_len"], L - B))  # whole blocks only: no truncation at the end
+        if not candidates:
+            continue
+        anchors = sorted(rng.sample(candidates, min(anchors_per_seq, len(candidates))))
+        logits, y, valid = block_outputs(drafter, embed, head, seq, anchors)
+        hit = torch.zeros(y.shape, dtype=torch.bool)
+        hit[valid] = logits.argmax(-1) == y[valid]
+        accepted.append(torch.cumprod(hit.int(), dim=-1).sum(-1))  # leading matches per anchor
+    if not accepted:
+        return {"tau": 1.0, "accept_rate": [0.0] * (B - 1), "anchors": 0}
+    acc = torch.cat(accepted)
+    rates = [float((acc >= k).float().mean()) for k in range(1, B)]
+    return {"tau": round(float(acc.float().mean()) + 1, 4), "accept_rate": [round(r, 4) for r in rates], "anchors": int(acc.numel())}
+
+
 def main(argv=None) -> None:
     ap = common_args(__doc__)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--gamma", type=float, default=7.0)
-    ap.add_argument("--mask-token-id", type=int, required=True)
+    ap.add_argument("--weighting", choices=["exp", "dpace"], default="exp", help="per-slot loss weights (see above)")
+    ap.add_argument("--alpha", type=float, default=0.5, help="D-PACE's smoothing α")
+    ap.add_argument("--mask-token-id", type=int, help="required unless --init-from")
     ap.add_argument("--anchors", type=int, default=32, help="random anchors per sequence")
+    ap.add_argument("--eval-anchors", type=int, default=16, help="anchors per held-out sequence for the learning curve")
     ap.add_argument("--init", choices=["target", "random"], default="target")
     args = ap.parse_args(argv)
+    if Path(args.out).exists() and not args.force:
+        ap.error(f"{args.out} exists (pass --force to replace it)")
     info, seqs, target = load_inputs(args)
+    seqs, heldout = split_heldout(seqs, args.heldout)
     embed = target.model.embed_tokens.weight.detach()
-    raw_cfg = drafter_config(Path(args.target), info["layer_ids"], args.layers, args.block_size, args.mask_token_id)
-    drafter, d2t, coverage = build_drafter(DFlashDrafter, raw_cfg, args, seqs, DRAFTER_ARCHITECTURE)
-    if args.init == "target":
-        init_from_target(drafter, target)
+    if args.init_from:
+        raw_cfg = json.loads((Path(args.init_from) / "config.json").read_text())
+        drafter = load_drafter(args.init_from, target.cfg).requires_grad_(True)
+        d2t = drafter.d2t
+        coverage = draft_coverage(seqs, d2t, target.cfg.vocab_size)
+        if list(drafter.cfg.target_layer_ids) != list(info["layer_ids"]):
+            raise SystemExit(f"{args.init_from} reads target layers {list(drafter.cfg.target_layer_ids)}, the data has {info['layer_ids']}")
+        init = f"resumed from {args.init_from}"
+    else:
+        if args.mask_token_id is None:
+            ap.error("--mask-token-id is required (unless --init-from)")
+        raw_cfg = drafter_config(Path(args.target), info["layer_ids"], args.layers, args.block_size, args.mask_token_id)
+        drafter, d2t, coverage = build_drafter(DFlashDrafter, raw_cfg, args, seqs, DRAFTER_ARCHITECTURE)
+        if args.init == "target":
+            init_from_target(drafter, target)
+        init = f"init from {args.init}"
+    cfg = drafter.cfg
     head = training_head(target.lm_head_weight.detach(), d2t)
-    run = fit(drafter, lambda seq, rng: dflash_loss(drafter, embed, head, seq, args.anchors, args.gamma, rng), seqs, args, "DFlash drafter")
-    return finish(
-        drafter, raw_cfg, args, info, run, f"DFlash drafter for {Path(args.target).name}", "train_dflash.py",
-        [f"{args.layers} layers, block size {args.block_size}, mask token id {args.mask_token_id}, target_layer_ids {info['layer_ids']}",
-         f"{args.anchors} random anchors per sequence, loss weight exp(-(k-1)/{args.gamma}), init from {args.init}"],
-        coverage,
-    )
+    title = f"DFlash drafter for {Path(args.target).name}"
+    weighting = f"loss weight exp(-(k-1)/{args.gamma})" if args.weighting == "exp" else f"D-PACE loss weights (α {args.alpha})"
+    details = [f"{cfg.num_layers} layers, block size {cfg.block_size}, mask token id {cfg.mask_token_id}, target_layer_ids {info['layer_ids']}",
+               f"{args.anchors} random anchors per sequence, {weighting}, {init}"]
+    evaluate = (lambda model: heldout_tau(model, embed, head, heldout, args.eval_anchors)) if heldout else None
+    if heldout:
+        details.append(f"{len(heldout)} sequences held out for the learning curve ({args.heldout:.0%} by prompt-id hash)")
+
+    def checkpoint(run):  # the drafter as it is now, with its curve so far: a killed run leaves its last checkpoint
+        export(drafter, raw_cfg, Path(args.out), model_card(title, "train_dflash.py", info, run, args, details), True, run["curve"], title)
+        args.force = True  # the final export replaces this run's own checkpoint
+
+    loss = lambda seq, rng: dflash_loss(drafter, embed, head, seq, args.anchors, args.gamma, rng, args.weighting, args.alpha)  # noqa: E731
+    run = fit(drafter, loss, seqs, args, "DFlash drafter", evaluate, checkpoint if heldout else None, previous_curve(args.init_from))
+    return finish(drafter, raw_cfg, args, info, run, title, "train_dflash.py", details, coverage)
+
+
+def draft_coverage(seqs: list[dict], d2t: torch.Tensor | None, vocab_size: int) -> float:
+    """The fraction of answer tokens a draft vocabulary (d2t) holds."""
+    if d2t is None:
+        return 1.0
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s["tokens"][s["prompt_len"]:], minlength=vocab_size)
+    return float(counts[torch.arange(len(d2t)) + d2t].sum() / counts.sum().clamp(min=1))
 
 
 if __name__ == "__main__":

@@ -94,6 +94,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--max-chain", type=int, default=7, help="drafts per step at run time (block_size - 1)")
     args = ap.parse_args(argv)
+    if args.init_from or args.heldout:
+        ap.error("--init-from and --heldout are implemented for train_dflash.py only so far")
     info, seqs, target = load_inputs(args)
     embed = target.model.embed_tokens.weight.detach()
     raw = eagle_config(Path(args.target), info["layer_ids"], args.intermediate_size, args.max_chain)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -13,12 +14,11 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import train_common  # noqa: E402
 import train_dflash  # noqa: E402
 import train_eagle3  # noqa: E402
 
-from dflash_trt.loading import load_drafter  # noqa: E402
-from dflash_trt.loading import load_eagle_drafter  # noqa: E402
-from dflash_trt.loading import load_target  # noqa: E402
+from dflash_trt.loading import load_drafter, load_eagle_drafter, load_target  # noqa: E402
 from dflash_trt.runtime import Generator  # noqa: E402
 from dflash_trt.sampling import SamplingParams  # noqa: E402
 from dflash_trt.torch_backend import TorchBackend  # noqa: E402
@@ -86,3 +86,88 @@ def test_eagle_training_lowers_the_loss_and_exports_a_loadable_lossless_drafter(
     assert run["log"][-1]["loss_ema"] < 0.7 * run["log"][0]["loss"]
     eagle = load_eagle_drafter(tmp_path / "eagle", load_target(target_dir).cfg)
     assert _lossless(target_dir, eagle, prompts, refs, block=6) > 1.5
+
+
+def test_dpace_weights_are_the_expected_accepted_tokens_from_each_slot():
+    """Against a naive loop over the definition (speculators losses/utils.py): w_k = m_k Σ_{j≥k} m_j Π_{i≤j} s_i."""
+    torch.manual_seed(0)
+    ce = torch.rand(3, 6) * 3
+    valid = torch.rand(3, 6) > 0.2
+    ce = torch.where(valid, ce, torch.zeros_like(ce))
+    alpha = 0.3
+    got = train_dflash.dpace_weights(ce, valid, alpha)
+    want = torch.zeros_like(ce)
+    for a in range(3):
+        for k in range(6):
+            if not valid[a, k]:
+                continue
+            total = 0.0
+            for j in range(k, 6):
+                if valid[a, j]:
+                    prod = 1.0
+                    for i in range(j + 1):
+                        prod *= float((1 - alpha) * torch.exp(-ce[a, i]) + alpha) if valid[a, i] else 1.0
+                    total += prod
+            want[a, k] = total
+    torch.testing.assert_close(got, want)
+    # a perfect drafter (ce 0) on a full block of 5 labelled slots: 5, 4, 3, 2, 1
+    assert train_dflash.dpace_weights(torch.zeros(1, 5), torch.ones(1, 5, dtype=torch.bool), 0.5).tolist() == [[5.0, 4.0, 3.0, 2.0, 1.0]]
+
+
+def test_heldout_tau_is_what_greedy_decoding_accepts_at_those_anchors(tiny_data, tmp_path):
+    """The teacher-forced τ equals a naive re-computation: per anchor, the drafter's own greedy block (the runtime's
+    DFlashDrafter forward over the same context) compared with the target's tokens, longest matching prefix + 1."""
+    target_dir, data, prompts, refs = tiny_data
+    train_dflash.main(_common(target_dir, data, tmp_path / "d") + ["--mask-token-id", "3", "--block-size", "8", "--anchors", "8", "--epochs", "4"])
+    target = load_target(target_dir)
+    drafter = load_drafter(tmp_path / "d", target.cfg)
+    seqs = train_common.load_shards(data)
+    head = train_common.training_head(target.lm_head_weight, drafter.d2t)
+    embed = target.model.embed_tokens.weight
+    got = train_dflash.heldout_tau(drafter, embed, head, seqs, anchors_per_seq=4, seed=3)
+    rng, accepted = random.Random(3), []
+    B = drafter.cfg.block_size
+    for seq in seqs:
+        tokens = seq["tokens"]
+        anchors = sorted(rng.sample(range(seq["prompt_len"], len(tokens) - B), 4))
+        for a in anchors:
+            logits, y, valid = train_dflash.block_outputs(drafter, embed, head, seq, [a])
+            ids = torch.arange(len(drafter.d2t)) + drafter.d2t
+            drafts = ids[logits.argmax(-1)].tolist()  # all slots are labelled here: whole blocks, full draft vocab
+            n = 0
+            while n < B - 1 and drafts[n] == int(tokens[a + 1 + n]):
+                n += 1
+            accepted.append(n)
+    assert got["anchors"] == len(accepted)
+    assert got["tau"] == pytest.approx(1 + sum(accepted) / len(accepted), abs=1e-4)
+    assert got["accept_rate"][0] == pytest.approx(sum(n >= 1 for n in accepted) / len(accepted), abs=1e-4)
+
+
+def test_resumed_training_continues_the_learning_curve(tiny_data, tmp_path):
+    target_dir, data, prompts, refs = tiny_data
+    common = _common(target_dir, data, tmp_path / "a") + ["--mask-token-id", "3", "--block-size", "8", "--anchors", "8", "--epochs", "6",
+                                                          "--heldout", "0.34", "--eval-every", "0"]
+    first = train_dflash.main(common)
+    curve = json.loads((tmp_path / "a" / "learning_curve.json").read_text())["points"]
+    assert curve == first["curve"] and len(curve) >= 2 and curve[0]["train_tokens"] == 0
+    assert (tmp_path / "a" / "learning_curve.png").is_file() or not _has_matplotlib()
+    second = train_dflash.main(_common(target_dir, data, tmp_path / "b") + ["--init-from", str(tmp_path / "a"), "--anchors", "8", "--epochs", "6",
+                                                                         "--heldout", "0.34", "--eval-every", "0", "--optimizer", "muon",
+                                                                         "--schedule", "linear", "--weighting", "dpace"])
+    points = second["curve"]
+    assert points[: len(curve)] == curve  # the earlier run's points, then this run's
+    new = points[len(curve):]
+    assert new[0]["train_tokens"] == curve[-1]["train_tokens"]  # starts where the first run ended
+    assert new[0]["tau"] == pytest.approx(curve[-1]["tau"], abs=1e-3)  # the same drafter on the same held-out set
+    assert all(b["train_tokens"] > a["train_tokens"] for a, b in zip(new, new[1:]))
+    assert "resumed from" in (tmp_path / "b" / "README.md").read_text()
+    drafter = load_drafter(tmp_path / "b", load_target(target_dir).cfg)
+    _lossless(target_dir, drafter, prompts, refs, block=8)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
