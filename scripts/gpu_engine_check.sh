@@ -6,9 +6,11 @@
 #   scripts/gpu_engine_check.sh              # GPU + TensorRT-LLM: the same, then the engine build and run
 #
 # Steps that run anywhere:
-#   1. the engine contract's CPU emulation (TensorRT-LLM's Eagle runtime side + our engine's per-call function)
-#      on the shipped models equals the reference runtime, token for token and draft for draft;
-#   2. `dflash-trt build --dry-run` of a shipped build config prints its convert and trtllm-build commands.
+#   1. the shipped pair converted to the one-engine checkpoint (`convert --format engine`: DFlashForCausalLM, what
+#      trtllm-build reads), fp32;
+#   2. the engine contract's CPU emulation (TensorRT-LLM's Eagle runtime side + our engine's per-call function) on
+#      that checkpoint equals the reference runtime on it, token for token and draft for draft;
+#   3. `dflash-trt build --dry-run` of a shipped build config prints its convert and trtllm-build commands.
 # Steps that need a GPU: building DFlashForCausalLM on the EAGLE contract and serving it with the executor.
 # That network is not written yet (docs/engine-path.md, "Status"), so without --dry-run this script stops there
 # with exit code 3 instead of pretending.
@@ -19,10 +21,15 @@ DRY_RUN=0
 TARGET=$(dflash-trt fetch-models --quiet | tail -n1)
 DRAFTER=examples/drafters/smollm2-dflash-b16
 
-echo "== 1/2 engine contract emulation vs the reference runtime (CPU)"
-python -m dflash_trt.trtllm.emulation_check --target "$TARGET" --drafter "$DRAFTER"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+echo "== 1/3 the one-engine checkpoint of the shipped pair (convert --format engine, fp32)"
+dflash-trt convert --target "$TARGET" --drafter "$DRAFTER" --out "$WORK/engine-ckpt" --format engine --dtype fp32 --quiet
 
-echo "== 2/2 dflash-trt build --dry-run (build_configs/qwen3-8b-fp8-tp1.yaml)"
+echo "== 2/3 engine contract emulation on that checkpoint vs the reference runtime (CPU)"
+python -m dflash_trt.trtllm.emulation_check --checkpoint "$WORK/engine-ckpt"
+
+echo "== 3/3 dflash-trt build --dry-run (build_configs/qwen3-8b-fp8-tp1.yaml)"
 dflash-trt build --config build_configs/qwen3-8b-fp8-tp1.yaml --dry-run
 
 if [ "$DRY_RUN" = 1 ]; then

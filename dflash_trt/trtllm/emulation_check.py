@@ -1,5 +1,8 @@
-"""`python -m dflash_trt.trtllm.emulation_check --target DIR --drafter DIR`: the engine contract's CPU emulation on
-real models (the shipped SmolLM2 pair in scripts/gpu_engine_check.sh --dry-run) against the reference runtime.
+"""`python -m dflash_trt.trtllm.emulation_check (--target DIR --drafter DIR | --checkpoint DIR)`: the engine contract's
+CPU emulation on real models (the shipped SmolLM2 pair in scripts/gpu_engine_check.sh --dry-run) against the reference
+runtime. With `--checkpoint`, both models come from the one-engine checkpoint (`dflash-trt convert --format engine`,
+what trtllm-build reads), and the KV pool has the layer count the C++ runtime gives it: `num_hidden_layers` +
+`eagle_net_config.num_hidden_layers` of that config.json (docs/engine-path.md).
 
 Prints whether the emulated executor + engine give the reference loop's tokens and drafts, and τ; exit 1 if not.
 """
@@ -7,13 +10,14 @@ Prints whether the emulated executor + engine give the reference loop's tokens a
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from ..loading import load_drafter
-from ..loading import load_target
+from ..loading import load_drafter, load_target
 from ..runtime import Generator
 from ..sampling import SamplingParams
 from ..torch_backend import TorchBackend
@@ -24,20 +28,26 @@ PROMPTS = ("Write a Python function that reverses a string.", "What is 17 * 23? 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--target", help="Hugging Face target directory (with --drafter)")
+    ap.add_argument("--drafter", help="DFlash drafter directory")
+    ap.add_argument("--checkpoint", help="instead: the one-engine checkpoint (convert --format engine), holding both and the tokenizer")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
+    if bool(args.checkpoint) == bool(args.target and args.drafter):
+        ap.error("pass --target and --drafter, or --checkpoint")
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.target)
+    target_dir = drafter_dir = args.checkpoint
+    if not args.checkpoint:
+        target_dir, drafter_dir = args.target, args.drafter
+    tok = AutoTokenizer.from_pretrained(target_dir)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in PROMPTS]
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     eos = [tok.eos_token_id]
-    target = load_target(args.target)
-    drafter = load_drafter(args.drafter, target.cfg)
+    target = load_target(target_dir)
+    drafter = load_drafter(drafter_dir, target.cfg)
     K = drafter.cfg.block_size - 1
 
     backend = TorchBackend(target, drafter, num_pages=512, page_size=16)
@@ -55,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     ref = Generator(backend, eos_token_ids=eos, max_batch=len(prompts)).generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
     ref_s = time.perf_counter() - start
 
-    pool = KVBlockPool(512, target.cfg.num_layers + drafter.cfg.num_layers, target.cfg.num_kv_heads, 16, target.cfg.head_dim)
+    layers = target.cfg.num_layers + drafter.cfg.num_layers
+    if args.checkpoint:  # the pool's layers as the C++ runtime reads them from the engine's config (gptJsonConfig, Eagle)
+        raw = json.loads((Path(args.checkpoint) / "config.json").read_text())
+        layers = raw["num_hidden_layers"] + raw["eagle_net_config"]["num_hidden_layers"]
+    pool = KVBlockPool(512, layers, target.cfg.num_kv_heads, 16, target.cfg.head_dim)
     runtime = EagleRuntime(DFlashEngine(target, drafter, pool), max_batch=len(prompts))
     ids = [runtime.enqueue_request(p, args.max_new_tokens, end_ids=eos) for p in prompts]
     start = time.perf_counter()
@@ -66,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     same_tokens = [e.output_ids for e in emu] == [r.output_ids for r in ref]
     same_drafts = all(e.drafts_fed[: len(full)] == full for e, full in ((e, [d for d in ref_drafts[i] if len(d) == K]) for i, e in enumerate(emu)))
     steps = [n for e in emu for n in e.accepted_lengths]
-    print(f"engine contract emulation on {args.target} + {args.drafter} (fp32, {len(prompts)} prompts, {args.max_new_tokens} tokens):")
+    print(f"engine contract emulation on {args.checkpoint or args.target + ' + ' + args.drafter} (fp32, {len(prompts)} prompts, {args.max_new_tokens} tokens):")
     print(f"  tokens equal to the reference runtime: {same_tokens}; drafts equal: {same_drafts}")
     print(f"  tau = {sum(steps) / len(steps):.2f} tokens/step over {len(steps)} steps; reference {ref_s:.1f} s, emulation {emu_s:.1f} s (CPU, not a speed figure)")
     return 0 if same_tokens and same_drafts else 1
