@@ -16,10 +16,8 @@ import torch
 from .errors import ConfigError
 from .models.drafter import DFlashDrafter
 from .models.eagle import Eagle3Drafter
-from .models.layers import draft_vocab_head
 from .models.target import TargetModel
 from .speculative import Scores
-from .tp import draft_vocab_shard, vocab_columns
 
 
 class TorchBackend:
@@ -38,8 +36,7 @@ class TorchBackend:
         self.vocab_size = target.cfg.vocab_size
         self.page_size, self.num_pages = page_size, num_pages
         self.target_cache = target.new_cache(num_pages, page_size)
-        self.tp = target.tp  # tensor parallel: the target's logits are this rank's vocab columns `_columns`
-        self._columns = vocab_columns(self.tp, self.vocab_size, target.lm_head_weight.device) if self.tp is not None else None
+        self.vocab = target.vocab  # logits → tokens / scores (vocabulary-parallel under TP: tp.ShardedVocab)
         if drafter is None:
             self.block_size = 1
             self.capture_layers: tuple[int, ...] = tuple(capture_layers or ())
@@ -54,10 +51,7 @@ class TorchBackend:
                 )
             self.capture_layers = tuple(drafter.cfg.target_layer_ids)
             self.drafter_cache = drafter.new_cache(num_pages, page_size)
-            if self.tp is None:
-                self._draft_head, self._draft_ids = draft_vocab_head(target.lm_head_weight, drafter.d2t)
-            else:  # this rank's rows of the vocab-parallel head, and their global draft-vocabulary indices
-                self._draft_head, self._draft_columns, self._draft_ids = draft_vocab_shard(target.lm_head_weight, self._columns, drafter.d2t)
+            self._draft_head, self._draft_ids, self._best_draft_row = self.vocab.draft_head(target.lm_head_weight, drafter.d2t)
         self.max_drafts = self.block_size - 1
         self._pending: dict[int, list[torch.Tensor]] = {}
         self._pending_tokens: dict[int, list[int]] = {}
@@ -101,18 +95,8 @@ class TorchBackend:
     def _scores(self, logits: torch.Tensor, rows: list[int], need_logits: list[bool] | None) -> list[Scores]:
         """logits [sum(rows), V] (under TP: this rank's vocab columns) → Scores per sequence."""
         need = need_logits if need_logits is not None else [True] * len(rows)
-        if self.tp is None:
-            tokens, per_seq = logits.argmax(dim=-1), list(logits.split(rows))
-        else:
-            tokens = self.tp.argmax(logits[:, : len(self._columns)], self._columns)  # lm_head's vocab padding rows left out
-            per_seq = [None] * len(rows)
-            wanted = [i for i, n in enumerate(need) if n]
-            if wanted:  # sampling: all-gather the vocabulary (equal, padded parts), for the sequences that sample only
-                parts = logits.split(rows)
-                full = self.tp.gather_columns(torch.cat([parts[i] for i in wanted]), self.vocab_size)
-                for i, f in zip(wanted, full.split([rows[i] for i in wanted])):
-                    per_seq[i] = f
-        return [Scores(t, f if n else None) for t, f, n in zip(tokens.split(rows), per_seq, need)]
+        tokens, per_seq = self.vocab.greedy(logits), self.vocab.full_logits(logits, rows, need)
+        return [Scores(t, f) for t, f in zip(tokens.split(rows), per_seq)]
 
     @torch.inference_mode()
     def prefill(self, seq_ids: list[int], prompts: list[list[int]], need_logits: list[bool] | None = None) -> list[Scores]:
@@ -151,7 +135,7 @@ class TorchBackend:
     def _draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed drafter hidden [n, H] → greedy draft token ids [n] (over the draft vocabulary)."""
         scores = torch.nn.functional.linear(hidden, self._draft_head)
-        best = scores.argmax(dim=-1) if self.tp is None else self.tp.argmax(scores, self._draft_columns)
+        best = self._best_draft_row(scores)
         return best if self._draft_ids is None else self._draft_ids[best]
 
     def _take_pending(self, seq_ids: list[int]):

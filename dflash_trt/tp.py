@@ -257,8 +257,43 @@ def apply_tp(model: nn.Module, tp: TPGroup) -> nn.Module:
         _apply_tp_mlp(layer.mlp, tp)
     if isinstance(model, TargetModel):
         _apply_tp_vocab(model, tp)
-        model.tp = tp
+        model.vocab = ShardedVocab(tp, model.cfg.vocab_size, tp.device)
     return model
+
+
+class ShardedVocab:
+    """models.layers.LocalVocab's vocabulary-parallel twin: each rank holds the logits of its lm_head rows only.
+    Greedy tokens come from a distributed argmax (one all-gather of (max, index) pairs), full logits from an
+    all-gather of the columns, for the sequences that sample only."""
+
+    def __init__(self, tp: TPGroup, vocab_size: int, device):
+        self.tp, self.vocab_size, self.device = tp, vocab_size, device
+        self._columns: torch.Tensor | None = None
+
+    @property
+    def columns(self) -> torch.Tensor:
+        """Global ids of this rank's real (non-padding) lm_head rows (made on first use: apply_tp may run while
+        the model is being built on the meta device)."""
+        if self._columns is None:
+            self._columns = vocab_columns(self.tp, self.vocab_size, self.device)
+        return self._columns
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.tp.argmax(logits[:, : len(self.columns)], self.columns)  # lm_head's vocab padding rows left out
+
+    def full_logits(self, logits: torch.Tensor, rows: list[int], need: list[bool]) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        wanted = [i for i, n in enumerate(need) if n]
+        if wanted:
+            parts = logits.split(rows)
+            full = self.tp.gather_columns(torch.cat([parts[i] for i in wanted]), self.vocab_size)
+            for i, f in zip(wanted, full.split([rows[i] for i in wanted])):
+                out[i] = f
+        return out
+
+    def draft_head(self, lm_head: torch.Tensor, d2t: torch.Tensor | None):
+        head, columns, ids = draft_vocab_shard(lm_head, self.columns, d2t)  # this rank's rows, their global draft indices
+        return head, ids, lambda scores: self.tp.argmax(scores, columns)
 
 
 def gather_embedding(target: nn.Module, tp: TPGroup) -> None:

@@ -108,6 +108,25 @@ def draft_vocab_head(lm_head: torch.Tensor, d2t: torch.Tensor | None) -> tuple[t
     return lm_head[ids].contiguous(), ids
 
 
+class LocalVocab:
+    """How a backend turns the target's logits into tokens and scores: here, the whole vocabulary on one process.
+    tp.apply_tp swaps in its vocabulary-parallel twin (tp.ShardedVocab, same methods), so the backend never
+    branches on tensor parallelism."""
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, V] → the argmax token ids [n]."""
+        return logits.argmax(dim=-1)
+
+    def full_logits(self, logits: torch.Tensor, rows: list[int], need: list[bool]) -> list[torch.Tensor | None]:
+        """Per sequence (`rows` logit rows each): its full-vocabulary logits where `need`, else None."""
+        return [f if n else None for f, n in zip(logits.split(rows), need)]
+
+    def draft_head(self, lm_head: torch.Tensor, d2t: torch.Tensor | None):
+        """(rows of the head a drafter scores, their token ids or None, scores [n, rows] → best row [n])."""
+        head, ids = draft_vocab_head(lm_head, d2t)
+        return head, ids, lambda scores: scores.argmax(dim=-1)
+
+
 def register_d2t(module: nn.Module, size: int | None) -> None:
     """The optional `d2t` tensor of a drafter checkpoint (int64 [draft_vocab_size])."""
     if size is None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import TargetConfig
 from ..kv_cache import AttentionBatch, PagedKVCache
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary, paged_attention
+from .layers import MLP, AttentionProjections, LocalVocab, RMSNorm, Rotary, paged_attention
 from .moe import MoE
 
 
@@ -52,7 +52,7 @@ class TargetModel(nn.Module):
         self.model = _Backbone(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
-        self.tp = None  # a tp.TPGroup once tp.apply_tp shards the model: logits are then this rank's vocab columns
+        self.vocab = LocalVocab()  # tp.apply_tp replaces it: logits are then this rank's vocab columns
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
