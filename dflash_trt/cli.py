@@ -198,10 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.register_cli(sub)
     bench.register_cli(sub)
     from . import serve  # serve, triton-repo (their server dependencies load only when they run)
-    from .trtllm import build as engine_build  # dflash-trt build (tensorrt_llm loads only when it runs)
+    from .trtllm import build_config  # dflash-trt build (tensorrt_llm loads only when it runs)
 
     serve.register_cli(sub)
-    engine_build.register_cli(sub)
+    build_config.register_cli(sub)
     return parser
 
 

@@ -146,15 +146,15 @@ def test_a_damaged_engine_config_names_its_key(pairs, tmp_path):
 
 
 def test_the_build_wrapper_takes_the_engine_checkpoint_and_says_its_network_is_missing(pairs, tmp_path):
-    """`python -m dflash_trt.trtllm.trtllm_build` reads the checkpoint before anything of tensorrt_llm: the one
+    """`python -m dflash_trt.trtllm.engine_build` reads the checkpoint before anything of tensorrt_llm: the one
     engine's is accepted and the missing network named; any other layout is refused by its architecture."""
-    from dflash_trt.trtllm import model, trtllm_build
+    from dflash_trt.trtllm import engine_build, model
 
     root, models = pairs
     target, drafter = models["llama"]
     convert(target, drafter, tmp_path / "engine", fmt="engine", dtype="fp32", **QUIET)
     convert(target, drafter, tmp_path / "parts", dtype="fp32", **QUIET)
     with pytest.raises(model.EngineNetworkUnavailable, match="DFlashForCausalLM"):
-        trtllm_build.main(["--checkpoint_dir", str(tmp_path / "engine"), "--max_draft_len", "15"])
+        engine_build.main(["--checkpoint_dir", str(tmp_path / "engine"), "--max_draft_len", "15"])
     with pytest.raises(ConfigError, match=r"target/config\.json: architecture: .*'LlamaForCausalLM'"):
-        trtllm_build.main(["--checkpoint_dir", str(tmp_path / "parts" / "target")])
+        engine_build.main(["--checkpoint_dir", str(tmp_path / "parts" / "target")])

@@ -20,7 +20,7 @@ import yaml
 
 from dflash_trt import cli, convert
 from dflash_trt.errors import ConfigError
-from dflash_trt.trtllm import api, build, network
+from dflash_trt.trtllm import api, build_config, network
 
 PKG = Path(api.__file__).parent
 CONFIGS = sorted((Path(__file__).parents[1] / "build_configs").glob("*.yaml"))
@@ -98,12 +98,12 @@ def test_plugin_names_are_the_plugin_specs():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_shipped_build_configs_validate(path):
-    cfg = build.load_build_config(path)
-    assert cfg.max_draft_len >= 1 and cfg.tp in build.TP_SIZES
+    cfg = build_config.load_build_config(path)
+    assert cfg.max_draft_len >= 1 and cfg.tp in build_config.TP_SIZES
 
 
 def test_required_deployments_are_shipped():
-    got = {(c.target_architecture, c.quant, c.tp) for c in map(build.load_build_config, CONFIGS)}
+    got = {(c.target_architecture, c.quant, c.tp) for c in map(build_config.load_build_config, CONFIGS)}
     assert {("LlamaForCausalLM", "nvfp4", 1), ("Qwen3ForCausalLM", "fp8", 1), ("GptOssForCausalLM", "nvfp4", 8)} <= got
 
 
@@ -123,7 +123,7 @@ def test_bad_config_names_file_and_key_and_exits_2(tmp_path, capsys, mutate, key
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError) as e:
-        build.load_build_config(bad)
+        build_config.load_build_config(bad)
     assert e.value.file == str(bad) and e.value.key == key
     assert cli.main(["build", "--config", str(bad), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -135,7 +135,7 @@ def test_dry_run_prints_convert_and_the_one_engine_build_with_real_flags(capsys)
     assert cli.main(["build", "--config", str(qwen), "--dry-run", "--out", "OUT"]) == 0
     lines = [l[2:].split() for l in capsys.readouterr().out.splitlines() if l.startswith("+ ")]
     assert len(lines) == 2
-    conv, build = lines
+    conv, trtllm_build = lines
     # the converter's own parser accepts the convert command, and it writes the one-engine checkpoint
     parser = argparse.ArgumentParser()
     convert.register_cli(parser.add_subparsers(dest="c"))
@@ -143,13 +143,13 @@ def test_dry_run_prints_convert_and_the_one_engine_build_with_real_flags(capsys)
     assert (args.quant, args.tp, args.out, args.format) == ("fp8", 1, "OUT/checkpoint", "engine")
     # every trtllm-build flag is one trtllm-build has (snapshot of tensorrt_llm/commands/build.py)
     real = set(api.snapshot()["trtllm_build_flags"]["flags"])
-    assert build[1:3] == ["-m", "dflash_trt.trtllm.trtllm_build"]
-    flags = {a for a in build if a.startswith("--") and not a.startswith("--dflash_")}
+    assert trtllm_build[1:3] == ["-m", "dflash_trt.trtllm.engine_build"]
+    flags = {a for a in trtllm_build if a.startswith("--") and not a.startswith("--dflash_")}
     assert flags <= real, flags - real
-    mode = build[build.index("--speculative_decoding_mode") + 1]
+    mode = trtllm_build[trtllm_build.index("--speculative_decoding_mode") + 1]
     assert mode == "eagle" and mode in api.snapshot()["trtllm_build_flags"]["speculative_decoding_mode_choices"]
-    assert build[build.index("--max_draft_len") + 1] == "15"
-    assert build[build.index("--checkpoint_dir") + 1] == "OUT/checkpoint"
+    assert trtllm_build[trtllm_build.index("--max_draft_len") + 1] == "15"
+    assert trtllm_build[trtllm_build.index("--checkpoint_dir") + 1] == "OUT/checkpoint"
 
 
 def test_a_real_build_refuses_clearly_until_the_one_engine_network_exists(capsys):
@@ -163,7 +163,7 @@ def test_a_real_build_refuses_clearly_until_the_one_engine_network_exists(capsys
 
 def test_gpt_oss_config_validates_but_build_says_convert_lacks_it(capsys):
     path = next(p for p in CONFIGS if p.stem.startswith("gpt-oss"))
-    assert build.load_build_config(path).tp == 8
+    assert build_config.load_build_config(path).tp == 8
     assert cli.main(["build", "--config", str(path), "--dry-run"]) == 2
     assert "GptOssForCausalLM is not yet supported by `dflash-trt convert`" in capsys.readouterr().err
 

@@ -38,7 +38,7 @@ def decoder_layer_feature(output: Any, use_cache: bool) -> Any:
 
 
 def register(checkpoint_dir: str | Path) -> None:
-    """Register DFlashForCausalLM in tensorrt_llm's MODEL_MAP for this process (what `trtllm_build` runs first).
+    """Register DFlashForCausalLM in tensorrt_llm's MODEL_MAP for this process (what `engine_build` runs first).
     Refuses: the network is not written yet; a checkpoint of another layout is named as such."""
     from ..trtllm_format import ENGINE_ARCHITECTURE
 

@@ -143,7 +143,7 @@ def build_commands(cfg: BuildConfig, out: str | None = None, plugin_lib: str | N
         "dflash-trt", "convert", "--target", cfg.target_model, "--drafter", cfg.drafter_model, "--out", str(ckpt), "--format", "engine",
         "--dtype", cfg.dtype, "--quant", cfg.quant, "--kv-cache-quant", cfg.kv_cache_quant, "--tp", str(cfg.tp), "--force",
     ]
-    build = [sys.executable, "-m", "dflash_trt.trtllm.trtllm_build"]
+    build = [sys.executable, "-m", "dflash_trt.trtllm.engine_build"]
     if plugin_lib:
         build += ["--dflash_plugin_lib", plugin_lib]
     build += [

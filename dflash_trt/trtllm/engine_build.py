@@ -1,4 +1,4 @@
-"""`python -m dflash_trt.trtllm.trtllm_build [--dflash_plugin_lib SO] --checkpoint_dir DIR <trtllm-build args>`
+"""`python -m dflash_trt.trtllm.engine_build [--dflash_plugin_lib SO] --checkpoint_dir DIR <trtllm-build args>`
 
 trtllm-build with our architecture registered: loads the plugin library through TensorRT's registry
 (plugin_library.register: the "dflash" creators), registers DFlashForCausalLM for the one-engine checkpoint in
