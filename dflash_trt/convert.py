@@ -22,7 +22,7 @@ import torch
 from .progress import progress_bar
 
 from . import parallel
-from .checkpoint import SafetensorsCheckpoint, atomic_directory
+from .checkpoint import SafetensorsCheckpoint, atomic_directory, check_finite
 from .config import (
     CONVERTIBLE_TARGET_FAMILIES,
     TARGET_ARCHITECTURES,
@@ -34,7 +34,7 @@ from .config import (
     load_target_config,
 )
 from .errors import CheckpointError, ConfigError
-from .loading import DTYPES
+from .loading import DTYPES, check_d2t_ids
 from .quant import fp8_scale, kv_cache_scale, nvfp4_activation_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from .quant.nvfp4 import BLOCK
 from .safetensors_io import SafetensorsWriter
@@ -187,15 +187,8 @@ class _ModelWriter:
         for a in range(0, info.shape[0], step):
             b = min(info.shape[0], a + step)
             chunk = file.read_rows(name, a, b)
-            chunk_amax = 0.0
-            if chunk.is_floating_point() and chunk.numel():
-                # min and max propagate NaN and show ±Inf, in one fast pass (isfinite is several times slower)
-                lo, hi = torch.aminmax(chunk)
-                if not (torch.isfinite(lo) and torch.isfinite(hi)):
-                    bad = (~torch.isfinite(chunk)).nonzero()[0].tolist()
-                    bad[0] += a
-                    raise CheckpointError(f"non-finite value (NaN or Inf) at index {bad}", file=file.path, key=name)
-                chunk_amax = max(-float(lo), float(hi))
+            check_finite(chunk, file.path, name, row_offset=a)
+            chunk_amax = float(chunk.abs().amax()) if chunk.is_floating_point() and chunk.numel() else 0.0
             yield a, chunk, chunk_amax
 
     # -- writing -----------------------------------------------------------------------------------
@@ -397,6 +390,8 @@ def convert(
     if d_cfg is not None:
         d_ckpt = SafetensorsCheckpoint(drafter_dir)
         _check_sources(d_ckpt, _expected_tensors(d_model))
+        if "d2t" in d_ckpt:
+            check_d2t_ids(d_ckpt.get("d2t"), t_cfg.vocab_size, drafter_dir)
 
     if (quant != "none" or kv_cache_quant != "none") and amax is None:
         amax = _calibrate(target_dir, drafter_dir, calib_prompts, calib_samples, calib_max_new_tokens, progress, log)

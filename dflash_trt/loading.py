@@ -363,11 +363,14 @@ def load_eagle_drafter(directory: str | Path, target_cfg, dtype=torch.float32, d
 
 
 def check_d2t(module, vocab_size: int, directory: str | Path) -> None:
-    """A loaded `d2t` maps every draft token into the target's vocabulary (else drafting would index past the
+    """A loaded drafter's `d2t` (if any) maps every draft token into the target's vocabulary."""
+    if getattr(module, "d2t", None) is not None:
+        check_d2t_ids(module.d2t, vocab_size, directory)
+
+
+def check_d2t_ids(d2t, vocab_size: int, directory: str | Path) -> None:
+    """Every draft token i maps to a target id i + d2t[i] inside the vocabulary (else drafting would index past the
     lm_head): one error naming the checkpoint and the first bad entry."""
-    d2t = getattr(module, "d2t", None)
-    if d2t is None:
-        return
     ids = torch.arange(len(d2t), device=d2t.device) + d2t
     bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
     if bad.numel():
