@@ -31,7 +31,7 @@ setup(
         # dev: the tests' oracles too: ModelOpt (TensorRT-LLM checkpoint format), Triton's own
         # model-config protobuf (tritonclient), the openai client against our server
         "dev": [
-            "pytest>=8", "scipy", "gguf>=0.10", "accelerate", "reasoning-gym==0.1.25", "pyyaml", "matplotlib",
+            "pytest>=8", "hypothesis>=6.100", "scipy", "gguf>=0.10", "accelerate", "reasoning-gym==0.1.25", "pyyaml", "matplotlib",
             "nvidia-modelopt==0.47.0", "requests", "huggingface_hub",
             "fastapi>=0.110", "uvicorn>=0.29", "prometheus_client>=0.20", "httpx>=0.27",
             "tritonclient[grpc]>=2.40", "openai>=1.0",
