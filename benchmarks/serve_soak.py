@@ -152,7 +152,7 @@ async def run_clients(url: str, jobs: list[dict], concurrency: int, max_seconds:
 
     sampler = asyncio.create_task(sample_rss())
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(max_seconds + 60)) as c:
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(max_seconds + 60), limits=limits) as c:
             return await asyncio.gather(*(guarded(c, j) for j in jobs))
     finally:
         sampler.cancel()
