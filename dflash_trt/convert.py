@@ -86,6 +86,74 @@ class ConvertStats:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Quantization schemes: what one linear weight becomes. The writer below streams rows and shards them; it asks the
+# scheme for the tensors a weight turns into, its scales, and the encoding of each row chunk, and knows nothing else.
+
+
+class Plain:
+    """No quantization: the weight in the output dtype."""
+
+    name = "none"
+    column_divisor = 1  # source columns per stored column (row-parallel weights are sliced by stored columns)
+    block_columns = None  # a second per-row tensor (NVFP4's block scales): source columns per entry, or None
+
+    def __init__(self, fmt: str, dtype: torch.dtype):
+        self.fmt, self.dtype, self.sn = fmt, dtype, scale_names(fmt)
+
+    def tensors(self, out: str, rows: int, rest: tuple[int, ...], src_dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {out + ".weight": (self.dtype if src_dtype.is_floating_point else src_dtype, (rows, *rest))}
+
+    def scales(self, weight_amax: float, input_amax: float) -> dict[str, torch.Tensor]:
+        """The scale tensors (name suffix → value) of one weight; they also set what `encode` uses for its rows."""
+        return {}
+
+    def encode(self, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(stored rows, block-scale rows or None) for a chunk of source rows."""
+        return (chunk.to(self.dtype) if chunk.is_floating_point() else chunk), None
+
+
+class Fp8(Plain):
+    """FP8 E4M3 weights with one per-tensor weight scale and one static input scale (ModelOpt's FP8)."""
+
+    name = "fp8"
+
+    def tensors(self, out, rows, rest, src_dtype):
+        scalar = (1,) if self.fmt == "trtllm" else ()
+        return {out + ".weight": (torch.float8_e4m3fn, (rows, *rest)), f"{out}.{self.sn['w']}": (torch.float32, scalar),
+                f"{out}.{self.sn['a']}": (torch.float32, scalar)}
+
+    def scales(self, weight_amax, input_amax):
+        self.weight_scale = fp8_scale(weight_amax)
+        values = {self.sn["w"]: self.weight_scale, self.sn["a"]: fp8_scale(input_amax)}
+        return {k: v.reshape(()) for k, v in values.items()} if self.fmt == "hf" else values
+
+    def encode(self, chunk):
+        return quantize_fp8(chunk, self.weight_scale, round_via=self.dtype if self.fmt == "hf" else None), None
+
+
+class Nvfp4(Plain):
+    """NVFP4: E2M1 values packed two per byte, an FP8 scale per BLOCK columns, one global scale, a static input scale."""
+
+    name = "nvfp4"
+    column_divisor = 2
+    block_columns = BLOCK
+
+    def tensors(self, out, rows, rest, src_dtype):
+        return {out + ".weight": (torch.uint8, (rows, rest[0] // 2)), f"{out}.{self.sn['w']}": (torch.float8_e4m3fn, (rows, rest[0] // BLOCK)),
+                f"{out}.{self.sn['w2']}": (torch.float32, ()), f"{out}.{self.sn['a']}": (torch.float32, ())}
+
+    def scales(self, weight_amax, input_amax):
+        self.global_scale = nvfp4_global_scale(weight_amax)
+        return {self.sn["w2"]: self.global_scale, self.sn["a"]: nvfp4_activation_scale(input_amax)}
+
+    def encode(self, chunk):
+        return quantize_nvfp4(chunk, self.global_scale)
+
+
+SCHEMES = {"none": Plain, "fp8": Fp8, "nvfp4": Nvfp4}
+
+
+# ----------------------------------------------------------------------------------------------------
 # One model (target or drafter) → one output directory
 
 
@@ -95,7 +163,12 @@ class _ModelWriter:
         self.name, self.cfg, self.ckpt, self.units, self.kv_units = name, cfg, ckpt, units, kv_units
         self.fmt, self.dtype, self.quant, self.kv_quant, self.tp, self.amax, self.stats = fmt, dtype, quant, kv_quant, tp, amax, stats
         self.sn = scale_names(fmt)
+        self.plain = Plain(fmt, dtype)
+        self.scheme = self.plain if quant == "none" else SCHEMES[quant](fmt, dtype)
         self._group_amax: dict[str, float] = {}
+
+    def _scheme_of(self, unit: Unit) -> Plain:
+        return self.scheme if unit.linear and unit.quantized else self.plain
 
     # -- planning ----------------------------------------------------------------------------------
 
@@ -106,7 +179,6 @@ class _ModelWriter:
         """Per-rank tensors (name → dtype, shape) and, for vocab-padded ones, the bytes actually written."""
         tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         expected: dict[str, int] = {}
-        scalar = (1,) if self.fmt == "trtllm" and self.quant == "fp8" else ()
         for unit in self.units:
             shapes = [self.ckpt.shape(self._src(unit, s)) for s in unit.sources]
             rows = sum(s[0] for s in shapes) if unit.split != "qkv" else None
@@ -116,17 +188,10 @@ class _ModelWriter:
                 rest = (rest[0] // self.tp,)
             name = unit.out + ".weight" if unit.linear else unit.out
             src_dtype = self.ckpt.dtype(self._src(unit, unit.sources[0]))
-            if unit.linear and unit.quantized and self.quant == "fp8":
-                tensors[name] = (torch.float8_e4m3fn, (rows, *rest))
-                tensors[f"{unit.out}.{self.sn['w']}"] = (torch.float32, scalar)
-                tensors[f"{unit.out}.{self.sn['a']}"] = (torch.float32, scalar)
-            elif unit.linear and unit.quantized and self.quant == "nvfp4":
-                tensors[name] = (torch.uint8, (rows, rest[0] // 2))
-                tensors[f"{unit.out}.{self.sn['w']}"] = (torch.float8_e4m3fn, (rows, rest[0] // BLOCK))
-                tensors[f"{unit.out}.{self.sn['w2']}"] = (torch.float32, ())
-                tensors[f"{unit.out}.{self.sn['a']}"] = (torch.float32, ())
-            else:
-                tensors[name] = (self.dtype if src_dtype.is_floating_point else src_dtype, (rows, *rest))
+            planned = self._scheme_of(unit).tensors(unit.out, rows, rest, src_dtype)
+            if not unit.linear:  # a norm or an embedding is stored under its own name, not name.weight
+                planned = {name: planned.pop(unit.out + ".weight")}
+            tensors.update(planned)
             if unit.split == "vocab":
                 real = sum(m.n for m in source_rows_to_rank(unit, "", shapes[0][0], self.cfg, self.tp, rank))
                 dt, shape = tensors[name]
@@ -197,20 +262,10 @@ class _ModelWriter:
         tp = self.tp
         for unit in self.units:
             out_w = unit.out + ".weight" if unit.linear else unit.out
-            q = unit.linear and unit.quantized and self.quant != "none"
-            if q:
-                w_amax = self._weight_amax(unit, progress)
-                a_amax = self._act_amax(unit)
-                if self.quant == "fp8":
-                    w_scale = fp8_scale(w_amax)
-                    scales = {self.sn["w"]: w_scale, self.sn["a"]: fp8_scale(a_amax)}
-                    if self.fmt == "hf":
-                        scales = {k: v.reshape(()) for k, v in scales.items()}
-                else:
-                    g = nvfp4_global_scale(w_amax)
-                    scales = {self.sn["w2"]: g, self.sn["a"]: nvfp4_activation_scale(a_amax)}
-                for r in range(tp):
-                    for suffix, value in scales.items():
+            scheme = self._scheme_of(unit)
+            if scheme is not self.plain:
+                for suffix, value in scheme.scales(self._weight_amax(unit, progress), self._act_amax(unit)).items():
+                    for r in range(tp):
                         writers[r].write(f"{unit.out}.{suffix}", value)
             for part, src in zip(unit.parts, unit.sources):
                 name = self._src(unit, src)
@@ -220,13 +275,7 @@ class _ModelWriter:
                 for a, chunk, _ in self._chunks(name):
                     self.stats.bytes_read += chunk.numel() * chunk.element_size()
                     b = a + chunk.shape[0]
-                    blocks = None
-                    if q and self.quant == "fp8":
-                        data = quantize_fp8(chunk, w_scale, round_via=self.dtype if self.fmt == "hf" else None)
-                    elif q:
-                        data, blocks = quantize_nvfp4(chunk, g)
-                    else:
-                        data = chunk.to(self.dtype) if chunk.is_floating_point() else chunk
+                    data, blocks = scheme.encode(chunk)
                     for r in range(tp):
                         for m in maps[r]:
                             lo, hi = max(a, m.src_start), min(b, m.src_start + m.n)
@@ -235,10 +284,9 @@ class _ModelWriter:
                             dst = m.dst_start + lo - m.src_start
                             piece, bpiece = data[lo - a : hi - a], None if blocks is None else blocks[lo - a : hi - a]
                             if unit.split == "row":
-                                per = 2 if (q and self.quant == "nvfp4") else 1
-                                piece = piece[:, parallel.col_slice(cols // per, tp, r)]
+                                piece = piece[:, parallel.col_slice(cols // scheme.column_divisor, tp, r)]
                                 if bpiece is not None:
-                                    bpiece = bpiece[:, parallel.col_slice(cols // BLOCK, tp, r)]
+                                    bpiece = bpiece[:, parallel.col_slice(cols // scheme.block_columns, tp, r)]
                             writers[r].write_rows(out_w, dst, piece)
                             if bpiece is not None:
                                 writers[r].write_rows(f"{unit.out}.{self.sn['w']}", dst, bpiece)
