@@ -139,6 +139,39 @@ def markdown(results: dict, methods: list[str], header: str) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(COLUMNS_EXPLAINED) + "\n"
 
 
+def verdict(results: dict, methods: list[str], dtype: str) -> list[str]:
+    """What the table says, in words: per domain the fastest method and its speedup over AR, why DFlash wins or
+    loses here (τ against what a drafting step costs, from the step-cost calibration when there is one), and
+    whether its outputs equal AR's (exactly, in fp32; in bf16 how many, and how close to a tie each flip was)."""
+    lines = []
+    cost = results.get("setup", {}).get("step_cost")
+    for domain, row in results["domains"].items():
+        best = max(methods, key=lambda m: row[m]["decode_tokens_per_s"])
+        speeds = ", ".join(f"{m} {row[m]['speedup_vs_ar']:.2f}× (τ {row[m]['tau']:.2f})" for m in methods if m != "ar")
+        lines.append(f"- {domain}: fastest is `{best}`" + (f" at {row[best]['speedup_vs_ar']:.2f}× AR" if best != "ar" else "")
+                     + f"; {speeds or 'AR only'}.")
+    if cost:
+        batches, drafts, seconds = cost["batches"], cost["drafts"], cost["seconds"]
+        b1 = seconds[batches.index(1)] if 1 in batches else seconds[0]
+        k = drafts[-1]
+        lines.append(f"- Why: on this machine a step drafting {k} tokens costs {b1[-1] / b1[0]:.1f}× a plain step (batch 1, "
+                     f"{b1[0] * 1e3:.0f} ms vs {b1[-1] * 1e3:.0f} ms), so drafting pays only where τ is above that; the auto "
+                     "policy falls back to plain decoding where it is not.")
+    for m in methods:
+        if m == "ar":
+            continue
+        equal = sum(row[m]["equal_to_ar"] for row in results["domains"].values())
+        total = sum(row[m]["requests"] for row in results["domains"].values())
+        gaps = [abs(g) for row in results["domains"].values() for g in row[m].get("flip_logit_gaps", [])]
+        if equal == total:
+            lines.append(f"- `{m}`'s outputs equal AR's on all {total} prompts" + (" (fp32: exact, as the tests prove)." if dtype == "fp32" else "."))
+        else:
+            lines.append(f"- `{m}`: {equal} of {total} outputs equal AR's; the others first differ where the target's top two logits "
+                         f"are within {max(gaps):.3f} of each other (near-ties that {dtype}'s different reduction order in a "
+                         "multi-token verify rounds the other way; fp32 is exact).")
+    return lines
+
+
 # Printed under every table: what each method and column means.
 COLUMNS_EXPLAINED = [
     "Methods: `ar` plain greedy decoding (one target step per token); `eagle3` the EAGLE-3-style baseline drafter "
@@ -235,7 +268,7 @@ def cmd_bench(args) -> int:
     block_text = "no DFlash drafter" if block is None else f"DFlash block {block}" + ("" if args.block_size else " (the drafter's own)")
     header = (f"# dflash-trt bench: {Path(args.target).name}, {args.dtype}, {block_text}, "
               f"{args.num_prompts} prompts/domain, max {args.max_new_tokens} new tokens, {torch.get_num_threads()} CPU threads")
-    table = markdown(results, names, header)
+    table = markdown(results, names, header) + "\nIn short:\n\n" + "\n".join(verdict(results, names, args.dtype)) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -58,3 +58,20 @@ def test_flip_logit_gap_is_the_targets_logit_difference_where_outputs_first_diff
     assert abs(gap - float(top2.values[0] - top2.values[1])) < 1e-4 and gap >= 0
     assert flip_logit_gap(backend, prompt, reference, list(reference)) is None
     assert backend.target_cache.num_free_pages == 16  # the probe's pages went back to the pool
+
+
+def test_the_verdict_says_which_method_is_fastest_why_and_whether_outputs_match():
+    from dflash_trt.bench import verdict
+
+    def row(speedup, tau, equal, gaps=()):
+        return {"decode_tokens_per_s": 10 * speedup, "speedup_vs_ar": speedup, "tau": tau, "equal_to_ar": equal, "requests": 4,
+                "flip_logit_gaps": list(gaps)}
+
+    results = {"domains": {"code": {"ar": row(1.0, 1.0, 4), "dflash": row(1.6, 2.4, 4)}, "math": {"ar": row(1.0, 1.0, 4), "dflash": row(0.8, 1.2, 3, [0.06])}},
+               "setup": {"step_cost": {"batches": [1, 4], "drafts": [0, 15], "seconds": [[0.04, 0.10], [0.08, 0.3]]}}}
+    lines = verdict(results, ["ar", "dflash"], "bf16")
+    assert lines[0].startswith("- code: fastest is `dflash` at 1.60× AR") and lines[1].startswith("- math: fastest is `ar`")
+    assert "costs 2.5× a plain step" in lines[2]
+    assert "7 of 8 outputs equal AR's" in lines[3] and "within 0.060" in lines[3]
+    results["domains"]["math"]["dflash"] = row(0.8, 1.2, 4)
+    assert verdict(results, ["ar", "dflash"], "fp32")[-1] == "- `dflash`'s outputs equal AR's on all 8 prompts (fp32: exact, as the tests prove)."
