@@ -254,7 +254,9 @@ def cmd_bench(args) -> int:
         if args.draft_length == "auto":
             from .draft_length import auto_policy
 
-            identity = [str(args.target), str(args.drafter), args.dtype, str(dflash.block_size)]
+            from .draft_length import calibration_identity
+
+            identity = calibration_identity(args.target, args.drafter, args.dtype, "dflash", dflash.block_size)
             policy = auto_policy(dflash, identity, max(concurrency + [1]), progress=not args.quiet)
             if policy is not None:
                 methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, policy.cost))

@@ -34,19 +34,20 @@ def cmd_generate(args) -> int:
     backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], args.device, pages, args.page_size, args.block_size, args.drafter_type)
     eos = generation_eos_ids(args.target, tokenizer)
     mode = "autoregressive" if drafter_dir is None else f"{args.drafter_type} block={backend.block_size}"
-    policy = draft_policy(args, backend, [str(args.target), str(drafter_dir), args.dtype, args.drafter_type], len(prompts))
+    policy = draft_policy(args, backend, str(args.target), drafter_dir, len(prompts))
     return run_generation(args, backend, tokenizer, prompts, eos, target_cfg.max_position_embeddings, mode, policy=policy)
 
 
-def draft_policy(args, backend, identity: list[str], num_prompts: int):
+def draft_policy(args, backend, target, drafter, num_prompts: int):
     """`--draft-length auto` (the default with a drafter, unless --block-size forces a width): each step's draft
     length from the measured step cost and the running acceptance (draft_length.py). Single process only: under
     TP every rank must draft the same, and timings differ between ranks."""
-    from .draft_length import auto_policy
+    from .draft_length import auto_policy, calibration_identity
 
     if args.draft_length != "auto" or args.block_size or backend.max_drafts == 0:
         return None
-    return auto_policy(backend, identity + [str(backend.block_size)], min(args.max_batch, num_prompts), progress=not args.quiet)
+    identity = calibration_identity(target, drafter, args.dtype, getattr(args, "drafter_type", "dflash"), backend.block_size)
+    return auto_policy(backend, identity, min(args.max_batch, num_prompts), progress=not args.quiet)
 
 
 def kv_pages(args, prompts: list[list[int]]) -> int:
@@ -81,7 +82,7 @@ def generate_checkpoint(args) -> int:
         drafter = None if args.no_drafter else drafter_dir
         backend = load_torch_backend(target_dir, drafter, DTYPES[args.dtype], args.device, kv_pages(args, prompts), args.page_size, args.block_size)
         mode += "" if args.no_drafter else f" block={backend.block_size}"
-        policy = draft_policy(args, backend, [str(ckpt), str(drafter), args.dtype], len(prompts))
+        policy = draft_policy(args, backend, str(ckpt), drafter, len(prompts))
         return run_generation(args, backend, tokenizers[0], prompts, eos, target_cfg.max_position_embeddings, mode, policy=policy)
     tp = init_tp(args.device, args.tp_timeout)
     try:
@@ -157,6 +158,44 @@ def run_generation(args, backend, tokenizer, prompts: list[list[int]], eos, max_
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """Measure (or, cached, show) the step cost that `--draft-length auto` chooses draft lengths from."""
+    from .draft_length import cache_key, calibration_dir, calibration_identity, load_or_calibrate
+    from .loading import load_torch_backend
+    from .progress import progress_bar
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    check_model_dirs(args)
+    target_dir, drafter_dir = checkpoint_parts(args.checkpoint) if args.checkpoint else (args.target, requested_drafter(args))
+    if drafter_dir is None:
+        from .errors import ConfigError
+
+        raise ConfigError("the step cost is a drafting backend's: pass --drafter (or --checkpoint)", key="--drafter")
+    backend = load_torch_backend(target_dir, drafter_dir, DTYPES[args.dtype], "cpu", num_pages=args.kv_pages or 4096,
+                                 page_size=args.page_size, block_size=args.block_size, drafter_type=args.drafter_type)
+    key = cache_key(*calibration_identity(args.checkpoint or target_dir, drafter_dir, args.dtype, args.drafter_type, backend.block_size))
+    path = calibration_dir() / f"step-cost-{key}.json"
+    if args.force and path.exists():
+        path.unlink()
+    cached = path.is_file()
+    start = time.perf_counter()
+    bar = progress_bar(desc="calibrating step cost", unit="cell", disable=args.quiet)
+    try:
+        cost = load_or_calibrate(backend, key, calibration_dir(), args.max_batch, progress=bar.update)
+    finally:
+        bar.close()
+    if cost is None:
+        print("error: the KV pool cannot hold one calibration sequence; raise --kv-pages", file=sys.stderr)
+        return 2
+    print(f"# step cost, seconds per draft + verify step ({'cached' if cached else f'measured in {time.perf_counter() - start:.1f} s'}): {path}")
+    print("| batch | " + " | ".join(f"{k} drafts" for k in cost.drafts) + " |")
+    print("|---|" + "---|" * len(cost.drafts))
+    for b, row in zip(cost.batches, cost.seconds):
+        print(f"| {b} | " + " | ".join(f"{t * 1e3:.1f} ms ({t / row[0]:.2f}×)" for t in row) + " |")
+    return 0
+
+
 def finish_summary(outputs) -> str:
     """Why the requests ended: "stop" (an EOS token) or "length" (--max-new-tokens), with counts when they differ."""
     counts: dict[str, int] = {}
@@ -193,6 +232,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text, without the tokenizer's chat template")
     g.add_argument("--quiet", action="store_true", help="print only the final statistics")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("calibrate", formatter_class=HELP_FORMAT, help="measure the step cost --draft-length auto uses (cached per machine and model)",
+                       description="Time one draft + verify step for each batch size and draft count once, on this machine, for this "
+                                   "model pair, dtype and block size, and cache it where generate / bench / serve find it "
+                                   "($DFLASH_TRT_CALIBRATION, else calibration/ under the package cache). Prints the table.")
+    add_model_flags(c, "calibrate")
+    c.set_defaults(max_batch=16)
+    c.add_argument("--force", action="store_true", help="measure again even if a cached table exists")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_calibrate)
 
     fetch.register_cli(sub)
     convert.register_cli(sub)

@@ -185,6 +185,19 @@ class DraftLengthPolicy:
             self.stats.observe(num_drafts, num_accepted)
 
 
+def calibration_dir() -> Path:
+    """Where step costs are cached: $DFLASH_TRT_CALIBRATION, else calibration/ under the package cache."""
+    from .fetch import default_cache_dir
+
+    env = os.environ.get("DFLASH_TRT_CALIBRATION")
+    return Path(env) if env else default_cache_dir() / "calibration"
+
+
+def calibration_identity(target, drafter, dtype: str, drafter_type: str, block_size: int) -> list[str]:
+    """What makes one calibration differ from another; generate, bench and calibrate use the same, so they share it."""
+    return [str(target), str(drafter), dtype, drafter_type, str(block_size)]
+
+
 def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | None = None, progress: bool = True) -> DraftLengthPolicy | None:
     """The default policy of a drafting backend (None without a drafter, or when the KV pool cannot hold one
     calibration sequence: fixed blocks then): its step cost from the cache in
@@ -193,11 +206,9 @@ def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | 
     `identity`: what makes one calibration differ from another (model directories, dtype, block size)."""
     if backend.max_drafts == 0:
         return None
-    from .fetch import default_cache_dir
     from .progress import progress_bar
 
-    env = os.environ.get("DFLASH_TRT_CALIBRATION")
-    directory = cache_dir or (Path(env) if env else default_cache_dir() / "calibration")
+    directory = cache_dir or calibration_dir()
     bar = progress_bar(desc="calibrating step cost (once per machine and model)", unit="cell", disable=not progress, leave=False)
     try:
         cost = load_or_calibrate(backend, cache_key(*identity), directory, max_batch, progress=bar.update)

@@ -77,3 +77,25 @@ def test_calibration_fits_a_small_pool_or_gives_up(tiny_dirs, tmp_path):
     tiny = load_torch_backend(*tiny_dirs, num_pages=1, page_size=4, block_size=8)
     assert dl.calibrate(tiny, max_batch=4) is None
     assert dl.auto_policy(tiny, ["x"], 4, cache_dir=tmp_path, progress=False) is None
+
+
+def test_calibrate_subcommand_measures_once_and_generate_reuses_the_table(tiny_dirs, capsys):
+    from dflash_trt.cli import main
+    from dflash_trt.draft_length import calibration_dir
+
+    target, drafter = tiny_dirs
+    args = ["--target", str(target), "--drafter", str(drafter), "--threads", "1", "--quiet"]
+    before = set(calibration_dir().glob("step-cost-*.json")) if calibration_dir().exists() else set()
+    assert main(["calibrate", *args, "--force"]) == 0
+    first = capsys.readouterr().out
+    assert "measured in" in first and "| 1 |" in first and "(1.00×)" in first
+    made = set(calibration_dir().glob("step-cost-*.json")) - before
+    assert len(made) <= 1  # one table for this pair (none new if an earlier test made the same one)
+    assert main(["calibrate", *args]) == 0
+    second = capsys.readouterr().out
+    assert "(cached)" in second.splitlines()[0]
+    assert second.splitlines()[1:] == first.splitlines()[1:]  # the same table, read back
+    mtime = {p: p.stat().st_mtime_ns for p in calibration_dir().glob("step-cost-*.json")}
+    gen = ["generate", "--target", str(target), "--drafter", str(drafter), "--prompt", "x", "--max-new-tokens", "4", "--threads", "1", "--quiet"]
+    assert main(gen) == 0 and "draft length auto" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in calibration_dir().glob("step-cost-*.json")} == mtime  # generate measured nothing new
