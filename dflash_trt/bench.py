@@ -282,26 +282,21 @@ def cmd_bench(args) -> int:
 
 
 def register_cli(sub) -> None:
-    from .loading import HELP_FORMAT, positive_int
+    from .flags import HELP_FORMAT, positive_int
+    from .loading import add_model_flags
 
     b = sub.add_parser("bench", help="benchmark DFlash against autoregressive decoding on the shipped prompt sets", formatter_class=HELP_FORMAT,
                        description="AR vs the EAGLE-3-style baseline vs DFlash (and DFlash with the draft length from the step cost) "
                                    "on the shipped prompt sets, one table per run: tau, tokens/s, speedup over AR, how many outputs "
                                    "equal AR's, plus a concurrency sweep. Writes bench.json, bench.md and bench.png to --out.")
-    b.add_argument("--target", required=True, help="Hugging Face target model directory")
-    b.add_argument("--drafter", help="DFlash drafter directory")
+    add_model_flags(b, "bench", serving=False)
     b.add_argument("--eagle", help="EAGLE-3-style baseline drafter directory (chain length = its block_size - 1)")
-    b.add_argument("--tokenizer", help="tokenizer directory (default: --target; for a converted checkpoint, its top directory)")
     b.add_argument("--domains", default=",".join(EVAL_DOMAINS), help="comma-separated prompt sets")
     b.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per domain")
     b.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt at most")
-    b.add_argument("--block-size", type=positive_int, help="DFlash verify block size (default: the drafter's)")
-    b.add_argument("--max-verify-tokens", type=positive_int, help="DFlash's verify budget per step over the batch (see generate)")
     b.add_argument("--draft-length", choices=["auto", "fixed"], default="auto",
                    help="auto: also run 'dflash-auto', DFlash with each step's draft length from the step-cost calibration (see generate)")
     b.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated batch sizes for the sweep ('' to skip)")
-    b.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights and activations")
-    b.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     b.add_argument("--out", default="bench-results", help="output directory")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(func=cmd_bench)

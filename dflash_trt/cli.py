@@ -11,9 +11,10 @@ import torch
 
 from . import __version__, bench, convert, fetch
 from .errors import DFlashError
+from .flags import HELP_FORMAT, positive_int
 from .loading import (
-    DTYPES, HELP_FORMAT, add_model_flags, add_tp_flags, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer,
-    positive_int, read_prompts, requested_drafter,
+    DTYPES, add_model_flags, add_tp_flags, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer, read_prompts,
+    requested_drafter,
 )
 
 
@@ -62,7 +63,7 @@ def generate_checkpoint(args) -> int:
     `mpirun -n N` (or torchrun) each rank loads only its rank{r}.safetensors and runs the same loop on
     its shards; rank 0 tokenizes, then streams and prints. A tp=1 checkpoint also runs without a launcher."""
     from .config import load_target_config
-    from .loading import load_tp_backend
+    from .loading import load_tp_backend, prepare_on_rank_0
     from .tp import init_tp, launched_world_size
     from .loading import load_torch_backend
 
@@ -88,7 +89,7 @@ def generate_checkpoint(args) -> int:
     try:
         # Rank 0 tokenizes and the others receive token ids; from there every rank runs the same loop on the
         # same inputs, and all derive the same accepted lengths (tp.py says why they agree bit for bit).
-        prompts, eos = tp.broadcast_object(tp.agree(lambda: prepare() if tp.rank == 0 else None))
+        (prompts, eos), _ = prepare_on_rank_0(tp, lambda: (prepare(), None))
         backend = load_tp_backend(ckpt, tp, DTYPES[args.dtype], not args.no_drafter, args.tp_drafter, kv_pages(args, prompts), args.page_size, args.block_size)
         mode += f", tp={tp.world_size}" if args.no_drafter else f" block={backend.block_size}, tp={tp.world_size}, {args.tp_drafter} drafter"
         return run_generation(args, backend, tokenizers[0] if tokenizers else None, prompts, eos, target_cfg.max_position_embeddings, mode, tp)

@@ -39,17 +39,14 @@ from .quant import fp8_scale, kv_cache_scale, nvfp4_activation_scale, nvfp4_glob
 from .quant.nvfp4 import BLOCK
 from .safetensors_io import SafetensorsWriter
 from .trtllm_format import (
-    EXCLUDED_MODULES,
-    QUANT_ALGOS,
-    STR_DTYPES,
     KVUnit,
     Unit,
     drafter_config_json,
     drafter_units,
     kv_tensor_names,
     merge_engine_checkpoint,
+    quantized_hf_config_json,
     out_rows,
-    producer,
     scale_names,
     source_rows_to_rank,
     target_config_json,
@@ -526,26 +523,9 @@ def _write_config(sub: Path, name: str, cfg, t_cfg: TargetConfig, fmt: str, dtyp
         raw = target_config_json(cfg, dtype, tp, quant, kv_quant) if name == "target" else drafter_config_json(cfg, t_cfg, dtype, tp, quant, kv_quant)
         (sub / "config.json").write_text(json.dumps(raw, indent=4) + "\n")
         return
-    # quantized HF: the source config plus ModelOpt's quantization_config, and hf_quant_config.json
-    raw = json.loads((Path(src_dir) / "config.json").read_text())
-    raw["torch_dtype"] = STR_DTYPES[dtype]
-    producer_entry = producer()
-    if quant != "none" or kv_quant != "none":
-        exclude = list(EXCLUDED_MODULES) + (["model.embed_tokens"] if name == "target" else [])
-        hf_quant = {"quant_algo": QUANT_ALGOS[quant], "kv_cache_quant_algo": QUANT_ALGOS[kv_quant]}
-        if quant == "nvfp4":
-            hf_quant["group_size"] = BLOCK
-        hf_quant["exclude_modules"] = exclude
-        (sub / "hf_quant_config.json").write_text(json.dumps({"producer": producer_entry, "quantization": hf_quant}, indent=4) + "\n")
-        qc: dict = {"quant_method": "modelopt", "quant_algo": hf_quant["quant_algo"], "ignore": exclude, "producer": producer_entry}
-        if quant != "none":
-            bits = {"num_bits": 8, "type": "float"} if quant == "fp8" else {"num_bits": 4, "type": "float", "group_size": BLOCK}
-            qc["config_groups"] = {
-                "group_0": {"input_activations": {"dynamic": False, **bits}, "weights": {"dynamic": False, **bits}, "targets": ["Linear"]}
-            }
-        if kv_quant == "fp8":
-            qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
-        raw["quantization_config"] = qc
+    raw, hf_quant = quantized_hf_config_json(json.loads((Path(src_dir) / "config.json").read_text()), name == "target", dtype, quant, kv_quant)
+    if hf_quant is not None:
+        (sub / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4) + "\n")
     (sub / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     if name == "target" and (Path(src_dir) / "generation_config.json").is_file():
         shutil.copy2(Path(src_dir) / "generation_config.json", sub / "generation_config.json")
@@ -589,7 +569,7 @@ def cmd_convert(args) -> int:
 
 
 def register_cli(sub) -> None:
-    from .loading import HELP_FORMAT, positive_int
+    from .flags import HELP_FORMAT, positive_int
 
     c = sub.add_parser(
         "convert", formatter_class=HELP_FORMAT,

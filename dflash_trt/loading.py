@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError, ConfigError
+from .flags import positive_float, positive_int
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -137,47 +138,29 @@ def checkpoint_parts(checkpoint: str | Path) -> tuple[Path, Path]:
 # ----------------------------------------------------------------------------------------------------
 # Command-line flags shared by the front ends (generate, serve, triton-repo, bench)
 
-HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter  # every subcommand's --help shows each flag's default
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def add_model_flags(p: argparse.ArgumentParser, launcher: str) -> None:
-    """The model directories and how the runtime holds them: one definition for generate, serve and triton-repo.
-    `launcher` is the subcommand, for the --checkpoint help ("mpirun -n N dflash-trt <launcher> ...")."""
-    p.add_argument("--target", help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
-    p.add_argument("--checkpoint", help="instead of --target/--drafter: the output of dflash-trt convert (DIR/target and DIR/drafter, "
-                   f"or the one-engine DIR; tokenizer in DIR); one sharded for tp N runs as `mpirun -n N dflash-trt {launcher} --checkpoint DIR`")
+def add_model_flags(p: argparse.ArgumentParser, launcher: str, serving: bool = True) -> None:
+    """The model directories and how the runtime holds them: one definition for generate, serve, triton-repo,
+    calibrate and bench. `launcher` is the subcommand (for the --checkpoint help); `serving` False (bench) leaves
+    out what only a serving front end takes (--checkpoint, --drafter-type, --no-drafter, the KV pool's sizes) and
+    makes --target required."""
+    p.add_argument("--target", required=not serving, help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
+    if serving:
+        p.add_argument("--checkpoint", help="instead of --target/--drafter: the output of dflash-trt convert (DIR/target and DIR/drafter, "
+                       f"or the one-engine DIR; tokenizer in DIR); one sharded for tp N runs as `mpirun -n N dflash-trt {launcher} --checkpoint DIR`")
     p.add_argument("--drafter", help="drafter directory (DFlash: z-lab's released format)")
-    p.add_argument("--drafter-type", choices=["dflash", "eagle3"], default="dflash", help="eagle3: the EAGLE-3-style baseline drafter")
-    p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
+    if serving:
+        p.add_argument("--drafter-type", choices=["dflash", "eagle3"], default="dflash", help="eagle3: the EAGLE-3-style baseline drafter")
+        p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --target, or --checkpoint's DIR)")
     p.add_argument("--block-size", type=positive_int, help="verify block size, 2..drafter block_size (default: the drafter's); forces this width")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and activations")
-    p.add_argument("--max-batch", type=positive_int, default=8, help="requests in the running batch")
+    if serving:
+        p.add_argument("--max-batch", type=positive_int, default=8, help="requests in the running batch")
     p.add_argument("--max-verify-tokens", type=positive_int, help="at most this many tokens per verify pass over the batch: blocks shrink "
                    "(down to plain decoding) as the batch grows (default: no limit)")
-    p.add_argument("--kv-pages", type=positive_int, help="KV pool size in pages (default: enough for the batch)")
-    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    if serving:
+        p.add_argument("--kv-pages", type=positive_int, help="KV pool size in pages (default: enough for the batch)")
+        p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
 
 
@@ -237,6 +220,14 @@ def _replicate(cfg, tensors: dict[str, torch.Tensor], tp) -> dict[str, torch.Ten
                 name = src + suffix
                 full[name] = _unshard(tp.all_gather(tensors[name]), unit.split, part, cfg, tp.world_size)
     return full
+
+
+def prepare_on_rank_0(tp, prepare):
+    """Under TP: rank 0 runs `prepare()` (what needs the tokenizer: encoding prompts, the EOS ids), which returns
+    (shared, kept); every rank gets `shared`, rank 0 alone keeps `kept` (e.g. the tokenizer, which is not sent).
+    A failure on rank 0 stops every rank with its error (tp.agree). Returns (shared, kept or None)."""
+    result = tp.agree(prepare if tp.rank == 0 else lambda: (None, None))
+    return tp.broadcast_object(result[0]), result[1]
 
 
 def load_tp_backend(

@@ -533,6 +533,30 @@ def merge_engine_checkpoint(parts: Path, dest: Path, progress: bool = False) -> 
 MERGE_CHUNK_BYTES = 64 << 20
 
 
+def quantized_hf_config_json(source: dict[str, Any], is_target: bool, dtype: torch.dtype, quant: str, kv_quant: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """ModelOpt's unified quantized-HF configs for one model: the source config.json plus `quantization_config`, and
+    hf_quant_config.json (None when nothing is quantized), with the keys and values ModelOpt 0.47's
+    export_hf_checkpoint writes (tests/test_convert_modelopt.py)."""
+    raw = dict(source)
+    raw["torch_dtype"] = STR_DTYPES[dtype]
+    if quant == "none" and kv_quant == "none":
+        return raw, None
+    entry = producer()
+    exclude = list(EXCLUDED_MODULES) + (["model.embed_tokens"] if is_target else [])
+    hf_quant: dict[str, Any] = {"quant_algo": QUANT_ALGOS[quant], "kv_cache_quant_algo": QUANT_ALGOS[kv_quant]}
+    if quant == "nvfp4":
+        hf_quant["group_size"] = NVFP4_BLOCK
+    hf_quant["exclude_modules"] = exclude
+    qc: dict[str, Any] = {"quant_method": "modelopt", "quant_algo": hf_quant["quant_algo"], "ignore": exclude, "producer": entry}
+    if quant != "none":
+        bits = {"num_bits": 8, "type": "float"} if quant == "fp8" else {"num_bits": 4, "type": "float", "group_size": NVFP4_BLOCK}
+        qc["config_groups"] = {"group_0": {"input_activations": {"dynamic": False, **bits}, "weights": {"dynamic": False, **bits}, "targets": ["Linear"]}}
+    if kv_quant == "fp8":
+        qc["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    raw["quantization_config"] = qc
+    return raw, {"producer": entry, "quantization": hf_quant}
+
+
 # ----------------------------------------------------------------------------------------------------
 # ModelOpt's quantized-HF format back (what `convert --format hf` writes)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 
 def _model_args(p, launcher: str = "serve") -> None:
-    from ..loading import add_model_flags, positive_int
+    from ..flags import positive_int
+    from ..loading import add_model_flags
 
     add_model_flags(p, launcher)
     p.add_argument("--max-model-len", type=positive_int, default=2048, help="prompt + output tokens per request (capped by the target's limit)")
@@ -80,7 +81,8 @@ def cmd_triton_repo(args) -> int:
 
 
 def register_cli(sub) -> None:
-    from ..loading import HELP_FORMAT, add_tp_flags
+    from ..flags import HELP_FORMAT
+    from ..loading import add_tp_flags
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, continuous batching, Prometheus metrics)", formatter_class=HELP_FORMAT)
     _model_args(s, "serve")

@@ -266,15 +266,14 @@ def load_model(
         backend = load_torch_backend(target_dir, drafter_dir, DTYPES[dtype], "cpu", kv_pages, page_size, block_size, drafter_type)
         eos = generation_eos_ids(target_dir, tokenizer, tokenizer_dir)
     else:
-        from ..loading import load_tp_backend
+        from ..loading import load_tp_backend, prepare_on_rank_0
         from ..trtllm_format import is_engine_checkpoint
 
         def prepare():
             tok = load_tokenizer(tokenizer_dir or target_dir)
-            return tok, sorted(generation_eos_ids(target_dir, tok, tokenizer_dir))
+            return sorted(generation_eos_ids(target_dir, tok, tokenizer_dir)), tok
 
-        tokenizer, eos = tp.agree(prepare if tp.rank == 0 else lambda: (None, None))
-        eos = tp.broadcast_object(eos)
+        eos, tokenizer = prepare_on_rank_0(tp, prepare)
         # the convert output: DIR/target (two parts) or DIR itself (the one-engine checkpoint)
         checkpoint = Path(target_dir) if is_engine_checkpoint(target_dir) else Path(target_dir).parent
         backend = load_tp_backend(checkpoint, tp, DTYPES[dtype], drafter_dir is not None, tp_drafter, kv_pages,

@@ -172,7 +172,7 @@ def cmd_build(args) -> int:
 
 
 def register_cli(sub) -> None:
-    from ..loading import HELP_FORMAT
+    from ..flags import HELP_FORMAT
 
     b = sub.add_parser("build", formatter_class=HELP_FORMAT, help="convert + trtllm-build a deployment from a build config (build_configs/*.yaml)")
     b.add_argument("--config", required=True, help="build config YAML")
