@@ -34,4 +34,5 @@ def progress_bar(*, file: IO[str] | None = None, **kwargs: Any):
     if isatty is not None and isatty():
         return tqdm(file=stream, **kwargs)
     kwargs.setdefault("mininterval", LOG_INTERVAL_S)
+    kwargs.setdefault("delay", 2.0)  # work that ends within 2 s (a cached calibration) prints no line at all
     return tqdm(file=_Lines(stream), ascii=True, dynamic_ncols=False, ncols=100, **kwargs)

@@ -199,13 +199,17 @@ def test_progress_off_a_terminal_is_one_line_per_update():
     from dflash_trt.progress import progress_bar
 
     buf = io.StringIO()  # not a tty, like stderr redirected to a file
-    with progress_bar(total=3, desc="work", file=buf, mininterval=0, miniters=1) as bar:
+    with progress_bar(total=3, desc="work", file=buf, mininterval=0, miniters=1, delay=0) as bar:
         for _ in range(3):
             bar.update()
     text = buf.getvalue()
     assert "\r" not in text
     lines = text.splitlines()
     assert len(lines) >= 3 and all(line.startswith("work:") for line in lines) and "3/3" in lines[-1]
+    quick = io.StringIO()
+    with progress_bar(total=3, desc="quick", file=quick) as bar:  # done within the default delay: silent
+        bar.update(3)
+    assert quick.getvalue() == ""
 
 
 def test_a_d2t_outside_the_target_vocabulary_is_refused_at_load(tiny_dirs, tmp_path, capsys):
