@@ -8,9 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import threading
-import time
 
 import httpx
 import pytest
@@ -22,47 +19,13 @@ from dflash_trt.loading import encode_prompt
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.serve.engine import load_model
-from dflash_trt.serve.server import Server, create_app
+from dflash_trt.serve.loopback import LoopbackServer as LiveServer
+from dflash_trt.serve.server import Server
 from dflash_trt.loading import load_torch_backend
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "hello world", "The lazy dog", "return a + b", "quick fox jumps"]
 MAX_MODEL_LEN = 320
 TIMEOUT = httpx.Timeout(60.0)
-
-
-class LiveServer:
-    """uvicorn serving `server` on a loopback port, in a daemon thread."""
-
-    def __init__(self, server: Server):
-        import uvicorn
-
-        self.server = server
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.uvicorn = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.uvicorn.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.uvicorn.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
-
-    def wait_idle(self, timeout: float = 20.0) -> None:
-        """Until the engine has no request left (read from the test thread; the values are plain ints)."""
-        gen = self.server.model.generator
-        deadline = time.monotonic() + timeout
-        while gen.has_work or self.server.in_flight:
-            assert time.monotonic() < deadline, "engine still busy"
-            time.sleep(0.02)
 
 
 def start(tiny_dirs, max_batch=8, max_queue=64, drafter=True) -> LiveServer:
