@@ -47,9 +47,9 @@ def engine_part_config(raw: dict[str, Any], path: Path, part: str) -> dict[str, 
 
 
 # The keys the merge adds to the target's config.json. Those after `base_architecture` are EagleConfig's
-# (tensorrt_llm/models/eagle/config.py, to_dict) with the values a K-draft chain needs: the C++ runtime
-# takes maxDraftPathLen from num_eagle_layers and the KV pool's extra layers from
-# eagle_net_config.num_hidden_layers (docs/engine-path.md, "What we rely on").
+# (tensorrt_llm/models/eagle/config.py:27-50 @ 2a9abd95) with the values a K-draft chain needs: the C++ runtime
+# takes maxDraftPathLen from num_eagle_layers and adds eagle_net_config.num_hidden_layers to the KV pool's layers
+# (cpp/tensorrt_llm/runtime/gptJsonConfig.cpp:166-181 @ 2a9abd95; docs/engine-path.md, "What we rely on").
 ENGINE_KEYS = ("base_architecture", "max_draft_len", "num_eagle_layers", "max_non_leaves_per_layer", "eagle_net_config")
 
 

@@ -16,8 +16,7 @@ import torch
 from conftest import write_drafter, write_target
 from scipy.stats import chisquare
 
-from dflash_trt.loading import load_drafter
-from dflash_trt.loading import load_target
+from dflash_trt.loading import load_drafter, load_target
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.torch_backend import TorchBackend
@@ -43,6 +42,7 @@ def models(tmp_path_factory):
         d = write_drafter(root / f"{arch}-d", t, num_layers=2, block_size=6, seed=seed + 10, head_dim=head_dim)
         target = load_target(t)
         out[arch] = (target, load_drafter(d, target.cfg))
+        out[arch + "-dirs"] = (t, d)
     return out
 
 
@@ -78,9 +78,10 @@ def _reference(target, drafter, prompts, max_new, max_batch, truth=None, eos=())
     return outs, drafts
 
 
-def _emulated(target, drafter, prompts, max_new, max_batch, truth=None, eos=(), join_every=None, tokens_per_block=4):
-    """EagleRuntime + DFlashEngine over a pool of TensorRT-LLM's layout; request i is prompt i."""
-    layers = target.cfg.num_layers + drafter.cfg.num_layers
+def _emulated(target, drafter, prompts, max_new, max_batch, truth=None, eos=(), join_every=None, tokens_per_block=4, layers=None):
+    """EagleRuntime + DFlashEngine over a pool of TensorRT-LLM's layout (`layers` layers: by default the target's
+    and the drafter's); request i is prompt i."""
+    layers = layers or target.cfg.num_layers + drafter.cfg.num_layers
     pool = KVBlockPool(400, layers, target.cfg.num_kv_heads, tokens_per_block, target.cfg.head_dim)
     holder = {}
 
@@ -146,6 +147,33 @@ def test_emulated_engine_equals_the_reference_loop_with_long_acceptances_and_sto
     assert max(n for e in emu for n in e.accepted_lengths) == drafter.cfg.block_size  # whole blocks accepted
     assert sum(e.finish_reason == "stop" for e in emu) >= 1
     assert _assert_same_drafts(emu, ref_drafts, K) >= 5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_one_engine_checkpoint_drives_the_emulated_engine_like_the_reference(models, tmp_path, arch):
+    """`convert --format engine` is what trtllm-build reads: both models loaded from it, and the KV pool sized as the
+    C++ runtime sizes it from that config (num_hidden_layers + eagle_net_config.num_hidden_layers, gptJsonConfig.cpp
+    createModelConfig), give the reference loop's tokens and drafts on the original Hugging Face models."""
+    import json
+
+    from dflash_trt.convert import convert
+
+    t_dir, d_dir = models[arch + "-dirs"]
+    engine = tmp_path / "engine"
+    convert(t_dir, d_dir, engine, fmt="engine", dtype="fp32", progress=False, log=lambda m: None)
+    raw = json.loads((engine / "config.json").read_text())
+    layers = raw["num_hidden_layers"] + raw["eagle_net_config"]["num_hidden_layers"]
+    target, drafter = models[arch]
+    assert layers == target.cfg.num_layers + drafter.cfg.num_layers
+    assert raw["max_draft_len"] == raw["num_eagle_layers"] == drafter.cfg.block_size - 1  # the contract's K
+    e_target = load_target(engine)
+    e_drafter = load_drafter(engine, e_target.cfg)
+    prompts = _prompts(31, 5)
+    max_new = [MAX_NEW] * len(prompts)
+    ref, ref_drafts = _reference(target, drafter, prompts, max_new, 3)
+    emu = _emulated(e_target, e_drafter, prompts, max_new, 3, join_every=2, layers=layers)
+    assert [e.output_ids for e in emu] == [r.output_ids for r in ref]
+    assert _assert_same_drafts(emu, ref_drafts, raw["max_draft_len"]) >= 5
 
 
 def test_contract_inputs_are_ones_the_runtime_binds_and_dims_are_known():
