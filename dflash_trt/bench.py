@@ -220,11 +220,8 @@ def plot(results: dict, methods: list[str], path: Path) -> bool:
 
 
 def cmd_bench(args) -> int:
-    from .loading import DTYPES, check_dir, encode_prompt, generation_eos_ids, load_tokenizer
+    from .loading import DTYPES, check_dir, encode_prompt, generation_eos_ids, load_drafter, load_eagle_drafter, load_target, load_tokenizer
     from .config import load_target_config
-    from .loading import load_drafter
-    from .loading import load_eagle_drafter
-    from .loading import load_target
     from .kv_cache import pool_pages
     from .torch_backend import TorchBackend
 

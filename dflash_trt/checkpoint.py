@@ -6,6 +6,7 @@ are refused, because loading them can execute code.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -22,7 +23,7 @@ INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
-class TensorSource:
+class TensorSource(abc.ABC):
     """Named tensors a module is filled from: `keys`, `shape`, `get`, `file_of` (for error messages)."""
 
     weight_map: dict[str, Path]
@@ -36,11 +37,11 @@ class TensorSource:
     def file_of(self, name: str) -> Path:
         return self.weight_map[name]
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def shape(self, name: str) -> tuple[int, ...]: ...
 
-    def get(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def get(self, name: str) -> torch.Tensor: ...
 
     def load_exact(self, expected: dict[str, tuple[int, ...]], ignore: set[str] = frozenset()) -> dict[str, torch.Tensor]:
         """Read exactly the tensors in `expected` (name → shape): missing, extra or misshapen ones are errors.
@@ -63,14 +64,15 @@ class TensorSource:
         return tensors
 
 
-def check_finite(t: torch.Tensor, file, key: str, row_offset: int = 0) -> None:
+def check_finite(t: torch.Tensor, file, key: str, row_offset: int = 0) -> float:
     """A floating tensor holds no NaN or Inf (one aminmax pass: min and max propagate NaN and show ±Inf, several
-    times faster than isfinite); the error names the file, the tensor and the first bad index."""
+    times faster than isfinite); the error names the file, the tensor and the first bad index. Returns max |t|
+    from the same pass (0.0 for an integer or empty tensor)."""
     if not t.is_floating_point() or not t.numel():
-        return
+        return 0.0
     lo, hi = torch.aminmax(t.float() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t)
     if torch.isfinite(lo) and torch.isfinite(hi):
-        return
+        return max(-float(lo), float(hi))
     bad = (~torch.isfinite(t.float())).nonzero()[0].tolist()
     if bad:
         bad[0] += row_offset

@@ -13,14 +13,13 @@ from . import __version__, bench, convert, fetch
 from .errors import DFlashError
 from .flags import HELP_FORMAT, positive_int
 from .loading import (
-    DTYPES, add_model_flags, add_tp_flags, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer, read_prompts,
-    requested_drafter,
+    DTYPES, add_model_flags, add_tp_flags, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer,
+    load_torch_backend, load_tp_backend, prepare_on_rank_0, read_prompts, requested_drafter,
 )
 
 
 def cmd_generate(args) -> int:
     from .config import load_target_config
-    from .loading import load_torch_backend
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -63,9 +62,7 @@ def generate_checkpoint(args) -> int:
     `mpirun -n N` (or torchrun) each rank loads only its rank{r}.safetensors and runs the same loop on
     its shards; rank 0 tokenizes, then streams and prints. A tp=1 checkpoint also runs without a launcher."""
     from .config import load_target_config
-    from .loading import load_tp_backend, prepare_on_rank_0
     from .tp import init_tp, launched_world_size
-    from .loading import load_torch_backend
 
     ckpt = Path(args.checkpoint)
     target_dir, drafter_dir = checkpoint_parts(ckpt)
@@ -161,8 +158,8 @@ def run_generation(args, backend, tokenizer, prompts: list[list[int]], eos, max_
 
 def cmd_calibrate(args) -> int:
     """Measure (or, cached, show) the step cost that `--draft-length auto` chooses draft lengths from."""
-    from .draft_length import cache_key, calibration_dir, calibration_identity, load_or_calibrate
-    from .loading import load_torch_backend
+    from .draft_length import cache_key, calibration_dir, calibration_identity, load_or_calibrate, step_cost_path
+    from .errors import ConfigError
     from .progress import progress_bar
 
     if args.threads:
@@ -170,25 +167,23 @@ def cmd_calibrate(args) -> int:
     check_model_dirs(args)
     target_dir, drafter_dir = checkpoint_parts(args.checkpoint) if args.checkpoint else (args.target, requested_drafter(args))
     if drafter_dir is None:
-        from .errors import ConfigError
-
         raise ConfigError("the step cost is a drafting backend's: pass --drafter (or --checkpoint)", key="--drafter")
     backend = load_torch_backend(target_dir, drafter_dir, DTYPES[args.dtype], "cpu", num_pages=args.kv_pages or 4096,
                                  page_size=args.page_size, block_size=args.block_size, drafter_type=args.drafter_type)
     key = cache_key(*calibration_identity(args.checkpoint or target_dir, drafter_dir, args.dtype, args.drafter_type, backend.block_size))
-    path = calibration_dir() / f"step-cost-{key}.json"
+    directory = calibration_dir()
+    path = step_cost_path(directory, key)
     if args.force and path.exists():
         path.unlink()
     cached = path.is_file()
     start = time.perf_counter()
     bar = progress_bar(desc="calibrating step cost", unit="cell", disable=args.quiet)
     try:
-        cost = load_or_calibrate(backend, key, calibration_dir(), args.max_batch, progress=bar.update)
+        cost = load_or_calibrate(backend, key, directory, args.max_batch, progress=bar.update)
     finally:
         bar.close()
     if cost is None:
-        print("error: the KV pool cannot hold one calibration sequence; raise --kv-pages", file=sys.stderr)
-        return 2
+        raise ConfigError("the KV pool cannot hold one calibration sequence; raise it", key="--kv-pages")
     print(f"# step cost, seconds per draft + verify step ({'cached' if cached else f'measured in {time.perf_counter() - start:.1f} s'}): {path}")
     print("| batch | " + " | ".join(f"{k} drafts" for k in cost.drafts) + " |")
     print("|---|" + "---|" * len(cost.drafts))

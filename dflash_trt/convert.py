@@ -34,7 +34,7 @@ from .config import (
     load_target_config,
 )
 from .errors import CheckpointError, ConfigError
-from .loading import DTYPES, check_d2t_ids
+from .loading import DTYPES, check_d2t_ids, encode_prompt, load_tokenizer, load_torch_backend, read_prompts
 from .quant import fp8_scale, kv_cache_scale, nvfp4_activation_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from .quant.nvfp4 import BLOCK
 from .safetensors_io import SafetensorsWriter
@@ -70,7 +70,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-CHUNK_BYTES = 64 << 20  # fp32 bytes per row chunk
 
 
 @dataclass
@@ -237,21 +236,12 @@ class _ModelWriter:
     # -- reading -----------------------------------------------------------------------------------
 
     def _chunks(self, name: str):
-        """(first row, row chunk, max |value| of the chunk) over tensor `name`, each chunk checked finite."""
+        """(first row, row chunk, max |value| of the chunk) over tensor `name`, each chunk checked finite (chunks sized
+        for their fp32 width: quantization widens them)."""
         file = self.ckpt.file(name)
-        info = file.tensors[name]
-        if not info.shape:
-            scalar = file.read_rows(name)
-            yield 0, scalar, float(scalar.abs()) if scalar.is_floating_point() else 0.0
-            return
-        per_row = max(1, math.prod(info.shape[1:]) * 4)
-        step = max(1, CHUNK_BYTES // per_row)
-        for a in range(0, info.shape[0], step):
-            b = min(info.shape[0], a + step)
-            chunk = file.read_rows(name, a, b)
-            check_finite(chunk, file.path, name, row_offset=a)
-            chunk_amax = float(chunk.abs().amax()) if chunk.is_floating_point() and chunk.numel() else 0.0
-            yield a, chunk, chunk_amax
+        fp32_row = math.prod(file.tensors[name].shape[1:]) * 4
+        for a, chunk in file.row_chunks(name, bytes_per_row=fp32_row):
+            yield a, chunk, check_finite(chunk, file.path, name, row_offset=a)
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -354,7 +344,6 @@ def _check_tp(cfg: TransformerConfig, tp: int, quant: str) -> None:
 
 def default_calibration_prompts(tokenizer, samples: int) -> list[list[int]]:
     """The shipped corpus: training-split prompts (code, chat, GSM), never the evaluation sets."""
-    from .loading import encode_prompt
     from .prompts import load_train_prompts
 
     per = -(-samples // 3)
@@ -501,17 +490,13 @@ def convert(
 
 
 def _calibrate(target_dir, drafter_dir, prompts, samples, max_new_tokens, progress, log) -> dict[str, dict[str, float]]:
+    from .kv_cache import pool_pages
     from .quant.calibrate import calibrate
-    from .loading import load_torch_backend
 
     if prompts is None:
-        from .loading import load_tokenizer
-
         prompts = default_calibration_prompts(load_tokenizer(target_dir), samples)
     if not prompts:
         raise ConfigError("the calibration set is empty", key="--calib")
-    from .kv_cache import pool_pages
-
     longest = max(len(p) for p in prompts) + max_new_tokens
     backend = load_torch_backend(target_dir, drafter_dir, dtype=torch.float32, num_pages=pool_pages(1, longest, 16), page_size=16)
     log(f"calibrating on {len(prompts)} prompts ({sum(map(len, prompts))} tokens, {max_new_tokens} new tokens each)")
@@ -550,8 +535,6 @@ def cmd_convert(args) -> int:
         torch.set_num_threads(args.threads)
     calib = None
     if args.calib:
-        from .loading import encode_prompt, load_tokenizer, read_prompts
-
         tokenizer = load_tokenizer(args.target)
         calib = [encode_prompt(tokenizer, t, chat=True) for t in read_prompts(None, args.calib)][: args.calib_samples]
     stats = convert(

@@ -120,8 +120,13 @@ def cache_key(*parts: str) -> str:
     return hashlib.sha256("\0".join([*parts, *machine]).encode()).hexdigest()[:16]
 
 
+def step_cost_path(cache_dir: Path, key: str) -> Path:
+    """Where the step-cost table of `key` (cache_key of a calibration identity) is cached."""
+    return cache_dir / f"step-cost-{key}.json"
+
+
 def load_or_calibrate(backend, key: str, cache_dir: Path, max_batch: int = 16, progress=None) -> StepCost | None:
-    path = cache_dir / f"step-cost-{key}.json"
+    path = step_cost_path(cache_dir, key)
     if path.is_file():
         return StepCost.from_json(json.loads(path.read_text()))
     cost = calibrate(backend, max_batch, progress)

@@ -128,8 +128,7 @@ def checkpoint_parts(checkpoint: str | Path) -> tuple[Path, Path]:
     from .trtllm_format import is_engine_checkpoint
 
     checkpoint = Path(checkpoint)
-    if not checkpoint.is_dir():
-        raise ConfigError("--checkpoint does not exist or is not a directory", file=checkpoint, key="--checkpoint")
+    check_dir(checkpoint, "--checkpoint")
     if is_engine_checkpoint(checkpoint):
         return checkpoint, checkpoint
     return checkpoint / "target", checkpoint / "drafter"

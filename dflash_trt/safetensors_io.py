@@ -36,6 +36,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
+ROW_CHUNK_BYTES = 64 << 20  # what streaming readers hold of one tensor at a time
 
 
 class TensorInfo:
@@ -117,6 +118,17 @@ class SafetensorsFile:
         if count == 0:
             return torch.empty(shape, dtype=info.dtype)
         return torch.frombuffer(buf, dtype=info.dtype).reshape(shape)
+
+    def row_chunks(self, name: str, max_bytes: int = ROW_CHUNK_BYTES, bytes_per_row: int | None = None):
+        """(first row, rows) over tensor `name` in chunks of at most `max_bytes` (rows of `bytes_per_row` each: by
+        default as stored; a caller that widens them, e.g. to fp32, passes the wider size). A scalar is one chunk."""
+        info = self.tensors[name]
+        if not info.shape:
+            yield 0, self.read_rows(name)
+            return
+        step = max(1, max_bytes // max(1, bytes_per_row or info.row_bytes))
+        for a in range(0, info.shape[0], step):
+            yield a, self.read_rows(name, a, min(info.shape[0], a + step))
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -318,15 +318,20 @@ def read_trtllm_config(directory: str | Path) -> tuple[Path, dict[str, Any]]:
     return path, raw
 
 
-def is_trtllm_checkpoint(directory: str | Path) -> bool:
+def _trtllm_config_or_none(directory: str | Path) -> dict[str, Any] | None:
+    """The directory's config.json when it is a TensorRT-LLM checkpoint's, else None (no error: a probe)."""
     path = Path(directory) / "config.json"
     if not path.is_file():
-        return False
+        return None
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return isinstance(raw, dict) and "mapping" in raw and "architecture" in raw
+        return None
+    return raw if isinstance(raw, dict) and "mapping" in raw and "architecture" in raw else None
+
+
+def is_trtllm_checkpoint(directory: str | Path) -> bool:
+    return _trtllm_config_or_none(directory) is not None
 
 
 def parse_trtllm_target_config(raw: dict[str, Any], path: Path) -> TargetConfig:
@@ -455,9 +460,8 @@ def single_rank_source(directory: str | Path, dtype: torch.dtype, part: str = "t
 
 
 def is_engine_checkpoint(directory: str | Path) -> bool:
-    if not is_trtllm_checkpoint(directory):
-        return False
-    return json.loads((Path(directory) / "config.json").read_text()).get("architecture") == ENGINE_ARCHITECTURE
+    raw = _trtllm_config_or_none(directory)
+    return raw is not None and raw.get("architecture") == ENGINE_ARCHITECTURE
 
 
 def engine_config_json(target: dict[str, Any], drafter: dict[str, Any], target_path: Path, drafter_path: Path) -> dict[str, Any]:
@@ -491,7 +495,7 @@ def engine_config_json(target: dict[str, Any], drafter: dict[str, Any], target_p
     }
 
 
-def merge_engine_checkpoint(parts: Path, dest: Path, progress: bool = False) -> list[str]:
+def merge_engine_checkpoint(parts: Path, dest: Path) -> list[str]:
     """Write the one-engine checkpoint into `dest` from a converter output `parts` (target/, drafter/):
     config.json (engine_config_json) and rank{r}.safetensors = the target's tensors under their names +
     the drafter's under ENGINE_DRAFTER_PREFIX, copied byte for byte (quantized tensors and scales as
@@ -513,12 +517,9 @@ def merge_engine_checkpoint(parts: Path, dest: Path, progress: bool = False) -> 
             writer = SafetensorsWriter(dest / name, declared)
             try:
                 for src, prefix in sources:
-                    for key, info in src.tensors.items():
-                        rows = info.shape[0] if info.shape else 1
-                        step = max(1, MERGE_CHUNK_BYTES // max(info.row_bytes, 1))
-                        for lo in range(0, rows, step) if info.shape else [0]:
-                            chunk = src.read_rows(key, lo, min(rows, lo + step)) if info.shape else src.read_rows(key)
-                            writer.write_rows(prefix + key, lo, chunk.reshape(-1) if not info.shape else chunk)
+                    for key in src.tensors:
+                        for lo, rows in src.row_chunks(key):
+                            writer.write_rows(prefix + key, lo, rows)
                 writer.finish()
             finally:
                 writer.close()
@@ -528,9 +529,6 @@ def merge_engine_checkpoint(parts: Path, dest: Path, progress: bool = False) -> 
         files.append(name)
     (dest / "config.json").write_text(json.dumps(raw, indent=4) + "\n")
     return files
-
-
-MERGE_CHUNK_BYTES = 64 << 20
 
 
 def quantized_hf_config_json(source: dict[str, Any], is_target: bool, dtype: torch.dtype, quant: str, kv_quant: str) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -73,22 +73,22 @@ def header_not_json(d):
     return "model.safetensors", "header"
 
 
-def nan_weight(d):
+def _poison(d, pick, value):
+    """Write `value` into the first tensor `pick` selects; returns where the error must point."""
     p = d / "model.safetensors"
     state = load_file(p)
-    k = next(k for k, v in state.items() if v.dim() == 2 and "layers.0" in k)
-    state[k][0, 0] = float("nan")
+    k = next(k for k, v in state.items() if pick(k, v))
+    state[k].view(-1)[0] = value
     save_file(state, p)
     return "model.safetensors", k
+
+
+def nan_weight(d):
+    return _poison(d, lambda k, v: v.dim() == 2 and "layers.0" in k, float("nan"))
 
 
 def inf_weight(d):
-    p = d / "model.safetensors"
-    state = load_file(p)
-    k = next(k for k, v in state.items() if v.dim() == 1 and "norm" in k)
-    state[k][0] = float("inf")
-    save_file(state, p)
-    return "model.safetensors", k
+    return _poison(d, lambda k, v: v.dim() == 1 and "norm" in k, float("inf"))
 
 
 def wrong_shape(d):

@@ -250,9 +250,8 @@ def load_model(
     the pool holds `max_batch` requests of `max_model_len` tokens each. With `tp` (target_dir and
     drafter_dir inside one `dflash-trt convert --tp N` directory) each rank loads its own shards; rank 0
     alone reads the tokenizer (None on the others) and sends the EOS ids."""
-    from ..loading import DTYPES, generation_eos_ids, load_tokenizer
+    from ..loading import DTYPES, generation_eos_ids, load_tokenizer, load_torch_backend, load_tp_backend, prepare_on_rank_0
     from ..config import load_target_config
-    from ..loading import load_torch_backend
 
     target_cfg = load_target_config(target_dir)  # fail on the config before touching weights
     limit = target_cfg.max_position_embeddings
@@ -266,7 +265,6 @@ def load_model(
         backend = load_torch_backend(target_dir, drafter_dir, DTYPES[dtype], "cpu", kv_pages, page_size, block_size, drafter_type)
         eos = generation_eos_ids(target_dir, tokenizer, tokenizer_dir)
     else:
-        from ..loading import load_tp_backend, prepare_on_rank_0
         from ..trtllm_format import is_engine_checkpoint
 
         def prepare():
