@@ -116,7 +116,9 @@ class EngineCore:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        # fatal is set before the failed step's errors reach the sink, so a client that saw its 500 and then asks
+        # /health finds the engine dead even while its thread is still on its way out
+        return self.fatal is None and self._thread.is_alive() and not self._stop.is_set()
 
     # -- engine thread ------------------------------------------------------------------------
 
