@@ -69,8 +69,9 @@ def bench_block_attention(nh, nkv, hd, batch, context, block, dtype, device, ite
         cache.reserve(i, context)
         cache.set_length(i, context)
     att = cache.prepare(list(range(batch)), [block] * batch)
-    cache.k.normal_(), cache.v.normal_()
-    q = torch.randn(batch * block, nh, hd, device=device, dtype=dtype)
+    for pool in (cache.k, cache.v):  # normal_ has no FP8 kernel: draw in fp32, then store
+        pool.copy_(torch.randn(pool.shape, device=pool.device).to(pool.dtype))
+    q = torch.randn(batch * block, nh, hd, device=device, dtype=torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype)  # FP8 pools, bf16 queries
     nbytes = 2 * batch * (context + block) * nkv * hd * cache.k.element_size() + 2 * q.numel() * q.element_size()
     report(f"block_attention B={batch} ctx={context} q={block} {str(dtype)[6:]}", nbytes, {
         "triton": timed(lambda: block_attention_kernel.from_batch(q, cache.k[0], cache.v[0], att, causal=False), device, iters),
@@ -86,6 +87,7 @@ def main() -> int:
     if args.dry_run:  # tiny shapes, one iteration: checks the script end to end
         bench_kv_inject(2, 2, 16, 8, torch.bfloat16, device, 1)
         bench_block_attention(4, 2, 16, 2, 40, 4, torch.bfloat16, device, 1)
+        bench_block_attention(4, 2, 16, 2, 40, 4, torch.float8_e4m3fn, device, 1)
         return 0
     print(f"device: {torch.cuda.get_device_name()}  (roofline {HBM_BYTES_PER_S / 1e12} TB/s)")
     L, nh, nkv, hd, block = 5, 32, 8, 128, 16  # Qwen3-8B DFlash drafter

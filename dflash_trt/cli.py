@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, bench, convert, fetch
+from . import __version__, bench, convert, fetch, plan
 from .errors import DFlashError
 from .flags import HELP_FORMAT, positive_int
 from .loading import (
@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.register_cli(sub)
     convert.register_cli(sub)
     bench.register_cli(sub)
+    plan.register_cli(sub)
     from . import serve  # serve, triton-repo (their server dependencies load only when they run)
     from .trtllm import build_config  # dflash-trt build (tensorrt_llm loads only when it runs)
 

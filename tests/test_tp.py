@@ -129,6 +129,21 @@ def expected_collectives(record: dict, t_cfg, d_cfg, replicated: bool) -> tuple[
     return calls, nbytes
 
 
+def planned_collectives(record: dict, t_cfg, d_cfg, tp: int, replicated: bool) -> tuple[dict, dict]:
+    """The planner's cost model (cost_model.forward) for the same pass: what `dflash-trt plan` charges the links."""
+    from dflash_trt.cost_model import Quant, forward
+    from dflash_trt.presets import HARDWARE, drafter_shape, target_shape
+
+    fp32 = Quant("bf16", "bf16", "bf16", activations="fp32")  # the CPU runtime's all-reduces carry fp32
+    if record["op"] == "verify":
+        cost = forward(target_shape(t_cfg), HARDWARE["B300"], fp32, tp, sum(record["shape"]), len(record["shape"]), 64)
+    else:
+        drafted = sum(record["shape"])
+        cost = forward(drafter_shape(d_cfg), HARDWARE["B300"], fp32, tp, drafted + len(record["shape"]), len(record["shape"]), 64,
+                       head_rows=drafted, head_vocab=d_cfg.draft_vocab_size or t_cfg.vocab_size, replicated=replicated)
+    return cost.calls, cost.collectives
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_ranks_emit_the_tp1_tokens_drafts_and_accepted_lengths_with_closed_form_collectives(tp_models, tmp_path, tp):
     root, prompts, models = tp_models
@@ -157,6 +172,8 @@ def test_tp_ranks_emit_the_tp1_tokens_drafts_and_accepted_lengths_with_closed_fo
             for record in res["records"]:
                 want = expected_collectives(record, m["t_cfg"], m["d_cfg"], replicated=run == "replicated")
                 assert (record["calls"], record["bytes"]) == want, (rank, name, run, record)
+                # the planner charges the links exactly what the runtime sends (issue 18, validation (c))
+                assert planned_collectives(record, m["t_cfg"], m["d_cfg"], tp, run == "replicated") == want, (rank, name, run, record)
     assert max(n for m in models.values() for a in m["accepted"] for n in a) == BLOCK  # whole blocks were accepted
 
 

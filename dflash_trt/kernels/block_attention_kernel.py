@@ -68,8 +68,10 @@ def block_attention_partial_kernel(
     q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_valid[:, None] & d_valid[None, :], other=0.0).to(tl.float32)
 
     # keys this program may need: its split ∩ [lowest visible key, kv_len)
-    lo = split * keys_per_split
-    hi = tl.minimum(lo + keys_per_split, kv_len)
+    # int64 from the start: the window branch below mixes in kv_len's type, and Triton (on a GPU, not in the
+    # interpreter) refuses a variable whose type changes inside an `if`
+    lo = split.to(tl.int64) * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, kv_len.to(tl.int64))
     if window > 0:
         lo = tl.maximum(lo, (first_q_pos - window + 1) // BLOCK_N * BLOCK_N)
 
