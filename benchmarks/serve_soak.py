@@ -202,8 +202,19 @@ def soak(target: str, drafter: str | None, requests: int, concurrency: int, max_
         report = check(results, jobs, plain_greedy(target, dtype), server.tokenizer, live)
     report.update(wall_s=round(wall, 1), concurrency=concurrency, max_batch=max_batch, dtype=dtype, drafter=drafter,
                   rss_mib={"after_warmup": rss[min(len(rss) - 1, 5)][1] if rss else None, "end": rss[-1][1] if rss else None,
-                           "max": max(v for _, v in rss) if rss else None})
+                           "max": max(v for _, v in rss) if rss else None,
+                           "slope_after_warmup_mib_per_min": rss_slope(rss[5:])})
     return report, rss
+
+
+def rss_slope(curve: list) -> float | None:
+    """Least-squares slope of [(seconds, MiB)] in MiB per minute: how "flat after warm-up" is judged."""
+    if len(curve) < 3:
+        return None
+    ts, vs = [t for t, _ in curve], [v for _, v in curve]
+    t0, v0 = statistics.fmean(ts), statistics.fmean(vs)
+    den = sum((t - t0) ** 2 for t in ts)
+    return round(60 * sum((t - t0) * (v - v0) for t, v in zip(ts, vs)) / den, 2) if den else None
 
 
 def main() -> None:

@@ -45,8 +45,11 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
-# bytes per value; nvfp4: one fp8 scale per 16 values; mxfp4 (gpt-oss releases): one e8m0 scale per 32 values
-BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32}
+from .quant.nvfp4 import BLOCK as NVFP4_BLOCK
+
+MXFP4_BLOCK = 32  # OCP MX: one e8m0 scale per 32 fp4 values (gpt-oss releases store their experts so)
+# bytes per value; nvfp4: one fp8 scale per quant.nvfp4.BLOCK values
+BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / NVFP4_BLOCK, "mxfp4": 0.5 + 1 / MXFP4_BLOCK}
 COMPUTE = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16", "fp8": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}  # tensor-core dtype per weight format
 ARGMAX_PAIR_BYTES = 16  # tp.ShardedVocab.greedy: one (max, index) fp64 pair per row and rank
 

@@ -10,7 +10,8 @@ class HELP_FORMAT(argparse.ArgumentDefaultsHelpFormatter):  # noqa: N801 (used a
     """Every subcommand's --help shows each flag's default, unless it has none (None / off) or says it itself."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "(default" in (action.help or ""):
+        # `is`, not `in (None, False)`: 0 == False, and a default of 0 (--temperature, --top-k, --seed) is worth showing
+        if action.default is None or action.default is False or "(default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

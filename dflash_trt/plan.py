@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .cost_model import (
-    BYTES, Acceptance, Cost, Hardware, Quant, Shape, ar_step, dflash_step, eagle_step, kv_bytes_per_sequence,
+    BYTES, COMPUTE, Acceptance, Cost, Hardware, Quant, Shape, ar_step, dflash_step, eagle_step, kv_bytes_per_sequence,
     pass_overhead_s, pass_roofline_s, resident_bytes, step_overhead_s, tree_expected_tokens,
 )
 from .errors import ConfigError
@@ -272,7 +272,7 @@ def fit_hardware(cells: list[dict], target: Shape, drafter: Shape | None, dtype:
     import torch
 
     quant = Quant(weights=dtype, kv=dtype, lm_head=dtype, activations=dtype)
-    unit = Hardware(name, 0, 1.0, {_compute(dtype): 1e-12}, bandwidth_efficiency=1.0, compute_efficiency=1.0)
+    unit = Hardware(name, 0, 1.0, {COMPUTE[dtype]: 1e-12}, bandwidth_efficiency=1.0, compute_efficiency=1.0)
     passes, owner, step_batches = [], [], []
     for i, c in enumerate(cells):
         cost = step_cost(target, drafter, unit, quant, c["batch"], c["drafts"], c["context"])
@@ -312,15 +312,9 @@ class _StackedPass:
     dtype: str
 
 
-def _compute(dtype: str) -> str:
-    from .cost_model import COMPUTE
-
-    return COMPUTE[dtype]
-
-
 def _hardware(name: str, dtype: str, params) -> Hardware:
     bandwidth, peak, *overheads = params
-    return Hardware(name, 0, bandwidth, {_compute(dtype): peak}, bandwidth_efficiency=1.0, compute_efficiency=1.0,
+    return Hardware(name, 0, bandwidth, {COMPUTE[dtype]: peak}, bandwidth_efficiency=1.0, compute_efficiency=1.0,
                     **dict(zip(FIT_FIELDS[2:], overheads)), source="fitted to measured step times")
 
 
@@ -353,7 +347,7 @@ def validate_measured(measured: dict, target: Shape, drafter: Shape, fit_batches
                     "predicted_per_user": round(per_user, 2),
                     "measured_total": round(run["total_decode_tokens_per_s"], 2), "predicted_total": round(per_user * run["batch"], 2),
                     "error": round(per_user / run["per_user_tokens_per_s"] - 1, 3), "held_out": run["batch"] not in fit_batches})
-    fitted = {f: round(getattr(hw, f) if f != "peak" else hw.peak_tflops[_compute(dtype)], 4) for f in FIT_FIELDS}
+    fitted = {f: round(getattr(hw, f) if f != "peak" else hw.peak_tflops[COMPUTE[dtype]], 4) for f in FIT_FIELDS}
     held = [abs(r["error"]) for r in out if r["held_out"]]
     return {"hardware": fitted, "fit_batches": list(fit_batches), "runs": out, "max_abs_error": max(abs(r["error"]) for r in out),
             "max_abs_error_held_out": max(held) if held else None}
@@ -394,6 +388,8 @@ def setup_from_args(args) -> Setup:
     from .models.eagle import load_eagle_config
     from .presets import drafter_shape, target_shape
 
+    if args.preset and (args.target or args.drafter or args.eagle):
+        raise ConfigError("--preset names the models: leave out --target / --drafter / --eagle, or the preset", key="--preset")
     if args.preset:
         preset = MODELS[args.preset]
         target, drafter, block, eagle = preset.target, preset.drafter, preset.block_size, preset.eagle

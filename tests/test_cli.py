@@ -171,7 +171,7 @@ def test_every_flag_of_every_subcommand_has_help_and_shows_its_default(capsys):
             assert action.help, (name, action.option_strings)
         text = p.format_help()
         for action in p._actions:  # a flag with a real default says it in --help
-            if action.default not in (None, False, argparse.SUPPRESS) and action.help and "(default" not in action.help:
+            if not any(action.default is v for v in (None, False, argparse.SUPPRESS)) and action.help and "(default" not in action.help:
                 assert f"(default: {action.default})" in " ".join(text.split()), (name, action.option_strings)
         assert "(default: None)" not in text and "(default: False)" not in text, name
     with pytest.raises(SystemExit) as e:

@@ -20,6 +20,9 @@ from dflash_trt.kernels import kv_inject_kernel as inject_triton  # noqa: E402
 from dflash_trt.kernels.reference import accept_reference, block_attention_reference, kv_inject_reference, to_cache  # noqa: E402
 from dflash_trt.errors import ConfigError  # noqa: E402
 from dflash_trt.kv_cache import PagedKVCache  # noqa: E402
+from dflash_trt.kernels.rounding import round_to  # noqa: E402
+
+tl = triton.language
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -175,3 +178,29 @@ def test_switch_picks_triton_on_cuda_only_in_auto_mode(monkeypatch):
     monkeypatch.setenv("DFLASH_KERNELS", "cuda")
     with pytest.raises(ConfigError, match="DFLASH_KERNELS"):
         kernels.use_triton("cpu")
+
+
+@triton.jit
+def _round_to_kernel(x_ptr, out_ptr, n, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, round_to(x, DTYPE), mask=offs < n)
+
+
+@pytest.mark.parametrize("dtype, tl_name", [(torch.float16, "float16"), (torch.bfloat16, "bfloat16"), (FP8, "float8e4nv")])
+def test_round_to_gives_torchs_cast_bits_ties_subnormals_and_overflow_included(dtype, tl_name):
+    g = torch.Generator().manual_seed(3)
+    info = torch.finfo(dtype)
+    values = [torch.randn(4000, generator=g) * s for s in (1e-7, 1e-5, 1e-3, 1.0, 100.0, 1e4)]
+    grid = torch.linspace(-4, 4, 2001).to(dtype).float()  # exact ties: midpoints of neighbouring grid values
+    values += [grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([0.0, -0.0, info.tiny, info.tiny / 2, info.max, -info.max])]
+    if dtype == torch.float16:
+        values.append(torch.tensor([65519.0, 65520.0, -65520.0, 70000.0]))  # the last finite / the first to round to inf
+    x = torch.cat(values).float()
+    if dtype == FP8:
+        x = x.clamp(-info.max, info.max)  # round_to saturates for FP8; torch's cast does not
+    out = torch.empty_like(x)
+    x, out = x.to(DEVICE), out.to(DEVICE)
+    _round_to_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), DTYPE=getattr(tl, tl_name), BLOCK=256)
+    want = x.to(dtype).float()
+    assert torch.equal(out.cpu(), want.cpu())
