@@ -63,7 +63,7 @@ def bench_kv_inject(L, nkv, hd, tokens, dtype, device, iters):
 def bench_block_attention(nh, nkv, hd, batch, context, block, dtype, device, iters):
     page = 16
     cache = PagedKVCache(1, nkv, hd, batch * (-(-(context + block) // page)), page, dtype, device)
-    cache._free = torch.randperm(cache.num_pages).tolist()  # pages scattered like a long-running server's
+    cache.shuffle_free_pages(torch.Generator().manual_seed(0))  # pages scattered like a long-running server's
     for i in range(batch):
         cache.add_sequence(i)
         cache.reserve(i, context)

@@ -189,6 +189,13 @@ COLUMNS_EXPLAINED = [
 ]
 
 
+def header_line(target: str, dtype: str, block: int | None, forced: bool, num_prompts: int, max_new_tokens: int, threads: int) -> str:
+    """The report's first line: what ran, with the DFlash block said in words (the drafter's own, or --block-size)."""
+    block_text = "no DFlash drafter" if block is None else f"DFlash block {block}" + (" (--block-size)" if forced else " (the drafter's own)")
+    return (f"# dflash-trt bench: {target}, {dtype}, {block_text}, {num_prompts} prompts/domain, max {max_new_tokens} new tokens, "
+            f"{threads} CPU threads")
+
+
 def plot(results: dict, methods: list[str], path: Path) -> bool:
     try:
         import matplotlib
@@ -264,9 +271,8 @@ def cmd_bench(args) -> int:
                         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}
     names = [m.name for m in methods]
     block = args.block_size or next((m.backend.block_size for m in methods if m.name == "dflash"), None)
-    block_text = "no DFlash drafter" if block is None else f"DFlash block {block}" + ("" if args.block_size else " (the drafter's own)")
-    header = (f"# dflash-trt bench: {Path(args.target).name}, {args.dtype}, {block_text}, "
-              f"{args.num_prompts} prompts/domain, max {args.max_new_tokens} new tokens, {torch.get_num_threads()} CPU threads")
+    header = header_line(Path(args.target).name, args.dtype, block, bool(args.block_size), args.num_prompts, args.max_new_tokens,
+                         torch.get_num_threads())
     table = markdown(results, names, header) + "\nIn short:\n\n" + "\n".join(verdict(results, names, args.dtype)) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

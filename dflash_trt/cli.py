@@ -158,7 +158,8 @@ def run_generation(args, backend, tokenizer, prompts: list[list[int]], eos, max_
 
 def cmd_calibrate(args) -> int:
     """Measure (or, cached, show) the step cost that `--draft-length auto` chooses draft lengths from."""
-    from .draft_length import cache_key, calibration_dir, calibration_identity, load_or_calibrate, step_cost_path
+    from .draft_length import CONTEXT, cache_key, calibration_dir, calibration_identity, load_or_calibrate, step_cost_path
+    from .kv_cache import pool_pages
     from .errors import ConfigError
     from .progress import progress_bar
 
@@ -168,7 +169,8 @@ def cmd_calibrate(args) -> int:
     target_dir, drafter_dir = checkpoint_parts(args.checkpoint) if args.checkpoint else (args.target, requested_drafter(args))
     if drafter_dir is None:
         raise ConfigError("the step cost is a drafting backend's: pass --drafter (or --checkpoint)", key="--drafter")
-    backend = load_torch_backend(target_dir, drafter_dir, DTYPES[args.dtype], "cpu", num_pages=args.kv_pages or 4096,
+    pages = args.kv_pages or pool_pages(args.max_batch, CONTEXT, args.page_size, args.block_size)
+    backend = load_torch_backend(target_dir, drafter_dir, DTYPES[args.dtype], "cpu", num_pages=pages,
                                  page_size=args.page_size, block_size=args.block_size, drafter_type=args.drafter_type)
     key = cache_key(*calibration_identity(args.checkpoint or target_dir, drafter_dir, args.dtype, args.drafter_type, backend.block_size))
     directory = calibration_dir()

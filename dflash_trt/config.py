@@ -19,10 +19,11 @@ from .errors import ConfigError
 from .trtllm_config import is_trtllm_config, trtllm_drafter_as_hf, trtllm_target_as_hf
 
 TARGET_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "GptOssForCausalLM": "gpt_oss"}
-# The families `dflash-trt convert` writes (trtllm_format.TRTLLM_TARGET_ARCHITECTURES names them). gpt-oss runs in
+# The families `dflash-trt convert` writes (checkpoint_formats.TRTLLM_TARGET_ARCHITECTURES names them). gpt-oss runs in
 # the torch runtime only: TensorRT-LLM's engine path (tensorrt_llm/models) has no gpt-oss model to write for.
 CONVERTIBLE_TARGET_FAMILIES = ("llama", "qwen3")
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+EAGLE_ARCHITECTURE = "DFlashTrtEagle3Drafter"  # our EAGLE-3-style baseline (models/eagle.py)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
@@ -410,6 +411,11 @@ def parse_drafter_config(raw: dict[str, Any], path: str | Path, architecture: st
         causal_override=causal,
         draft_vocab_size=reader.int("draft_vocab_size", None),
     )
+
+
+def load_eagle_config(directory: str | Path) -> DrafterConfig:
+    """Our EAGLE checkpoints reuse the DFlash config fields (layer ids, block_size = 1 + max chain length)."""
+    return load_drafter_config(directory, architecture=EAGLE_ARCHITECTURE)
 
 
 def check_pair(target: TargetConfig, drafter: DrafterConfig) -> DrafterConfig:

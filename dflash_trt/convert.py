@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from .progress import progress_bar
 
-from . import parallel
+from . import shard_rules
 from .checkpoint import SafetensorsCheckpoint, atomic_directory, check_finite
 from .config import (
     CONVERTIBLE_TARGET_FAMILIES,
@@ -38,7 +38,7 @@ from .loading import DTYPES, check_d2t_ids, encode_prompt, load_tokenizer, load_
 from .quant import fp8_scale, kv_cache_scale, nvfp4_activation_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from .quant.nvfp4 import BLOCK
 from .safetensors_io import SafetensorsWriter
-from .trtllm_format import (
+from .checkpoint_formats import (
     KVUnit,
     Unit,
     drafter_config_json,
@@ -107,6 +107,15 @@ class Plain:
         """(stored rows, block-scale rows or None) for a chunk of source rows."""
         return (chunk.to(self.dtype) if chunk.is_floating_point() else chunk), None
 
+    def block_scale_name(self, out: str) -> str:
+        """Where `encode`'s block-scale rows go (schemes with block_columns)."""
+        return f"{out}.{self.sn.weight}"
+
+    def shares_weight_amax(self) -> bool:
+        """One weight amax for a fusion group (q/k/v, gate/up): TensorRT-LLM's fused linears hold one scale;
+        ModelOpt's HF export keeps FP8's per linear (weight_scale) but shares NVFP4's global one (weight_scale_2)."""
+        return self.fmt == "trtllm"
+
 
 class Fp8(Plain):
     """FP8 E4M3 weights with one per-tensor weight scale and one static input scale (ModelOpt's FP8)."""
@@ -115,12 +124,12 @@ class Fp8(Plain):
 
     def tensors(self, out, rows, rest, src_dtype):
         scalar = (1,) if self.fmt == "trtllm" else ()
-        return {out + ".weight": (torch.float8_e4m3fn, (rows, *rest)), f"{out}.{self.sn['w']}": (torch.float32, scalar),
-                f"{out}.{self.sn['a']}": (torch.float32, scalar)}
+        return {out + ".weight": (torch.float8_e4m3fn, (rows, *rest)), f"{out}.{self.sn.weight}": (torch.float32, scalar),
+                f"{out}.{self.sn.input}": (torch.float32, scalar)}
 
     def scales(self, weight_amax, input_amax):
         self.weight_scale = fp8_scale(weight_amax)
-        values = {self.sn["w"]: self.weight_scale, self.sn["a"]: fp8_scale(input_amax)}
+        values = {self.sn.weight: self.weight_scale, self.sn.input: fp8_scale(input_amax)}
         return {k: v.reshape(()) for k, v in values.items()} if self.fmt == "hf" else values
 
     def encode(self, chunk):
@@ -135,18 +144,43 @@ class Nvfp4(Plain):
     block_columns = BLOCK
 
     def tensors(self, out, rows, rest, src_dtype):
-        return {out + ".weight": (torch.uint8, (rows, rest[0] // 2)), f"{out}.{self.sn['w']}": (torch.float8_e4m3fn, (rows, rest[0] // BLOCK)),
-                f"{out}.{self.sn['w2']}": (torch.float32, ()), f"{out}.{self.sn['a']}": (torch.float32, ())}
+        return {out + ".weight": (torch.uint8, (rows, rest[0] // 2)), f"{out}.{self.sn.weight}": (torch.float8_e4m3fn, (rows, rest[0] // BLOCK)),
+                f"{out}.{self.sn.weight_2}": (torch.float32, ()), f"{out}.{self.sn.input}": (torch.float32, ())}
 
     def scales(self, weight_amax, input_amax):
         self.global_scale = nvfp4_global_scale(weight_amax)
-        return {self.sn["w2"]: self.global_scale, self.sn["a"]: nvfp4_activation_scale(input_amax)}
+        return {self.sn.weight_2: self.global_scale, self.sn.input: nvfp4_activation_scale(input_amax)}
 
     def encode(self, chunk):
         return quantize_nvfp4(chunk, self.global_scale)
 
+    def shares_weight_amax(self):
+        return True
+
 
 SCHEMES = {"none": Plain, "fp8": Fp8, "nvfp4": Nvfp4}
+
+
+class Fp8KVCache:
+    """FP8 KV cache: each attention layer's K and V scales from calibration (TensorRT-LLM also reads one merged
+    scale, the larger of the two)."""
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+
+    def tensors(self, kv: KVUnit) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        shape = (1,) if self.fmt == "trtllm" else ()
+        return {n: (torch.float32, shape) for n in kv_tensor_names(kv, self.fmt).values()}
+
+    def scales(self, kv: KVUnit, k_amax: float, v_amax: float) -> dict[str, torch.Tensor]:
+        names = kv_tensor_names(kv, self.fmt)
+        if self.fmt == "hf":  # vLLM / SGLang read k_scale / v_scale unclamped
+            return {names["k"]: fp8_scale(k_amax).reshape(()), names["v"]: fp8_scale(v_amax).reshape(())}
+        k, v = kv_cache_scale(k_amax), kv_cache_scale(v_amax)
+        return {names["kv"]: torch.maximum(k, v), names["k"]: k, names["v"]: v}
+
+
+KV_SCHEMES = {"none": None, "fp8": Fp8KVCache}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -161,6 +195,7 @@ class _ModelWriter:
         self.sn = scale_names(fmt)
         self.plain = Plain(fmt, dtype)
         self.scheme = self.plain if quant == "none" else SCHEMES[quant](fmt, dtype)
+        self.kv_scheme = KV_SCHEMES[kv_quant](fmt) if KV_SCHEMES[kv_quant] else None
         self._group_amax: dict[str, float] = {}
 
     def _scheme_of(self, unit: Unit) -> Plain:
@@ -195,11 +230,9 @@ class _ModelWriter:
             if unit.bias:
                 brows = rows if unit.split != "row" else shapes[0][0]
                 tensors[unit.out + ".bias"] = (self.dtype, (brows,))
-        if self.kv_quant == "fp8":
-            kv_shape = (1,) if self.fmt == "trtllm" else ()
+        if self.kv_scheme is not None:
             for kv in self.kv_units:
-                for n in kv_tensor_names(kv, self.fmt).values():
-                    tensors[n] = (torch.float32, kv_shape)
+                tensors.update(self.kv_scheme.tensors(kv))
         return tensors, expected
 
     # -- scales ------------------------------------------------------------------------------------
@@ -210,7 +243,7 @@ class _ModelWriter:
     def _weight_amax(self, unit: Unit, progress) -> float:
         """Largest |w| over the unit's fusion group (one pass of row chunks over each source). ModelOpt's HF
         export shares it within q/k/v and gate/up for NVFP4 (weight_scale_2) but not for FP8 (weight_scale)."""
-        shared = self.fmt == "trtllm" or self.quant == "nvfp4"
+        shared = self._scheme_of(unit).shares_weight_amax()
         key = (unit.group if shared else None) or unit.out
         if key not in self._group_amax:
             value = 0.0
@@ -245,6 +278,26 @@ class _ModelWriter:
 
     # -- writing -----------------------------------------------------------------------------------
 
+    def _write_chunk(self, writers: list[SafetensorsWriter], unit: Unit, scheme: Plain, out_w: str, maps: list, first: int,
+                     data: torch.Tensor, blocks: torch.Tensor | None, columns: int | None) -> None:
+        """Encoded source rows [first, first + len(data)) of one source (and their block scales) into every rank's
+        shard: the rows each rank's row maps take, and for row-parallel weights that rank's columns."""
+        end = first + data.shape[0]
+        for r, rank_maps in enumerate(maps):
+            for m in rank_maps:
+                lo, hi = max(first, m.src_start), min(end, m.src_start + m.n)
+                if lo >= hi:
+                    continue
+                dst = m.dst_start + lo - m.src_start
+                rows, block_rows = data[lo - first : hi - first], None if blocks is None else blocks[lo - first : hi - first]
+                if unit.split == "row":
+                    rows = rows[:, shard_rules.col_slice(columns // scheme.column_divisor, self.tp, r)]
+                    if block_rows is not None:
+                        block_rows = block_rows[:, shard_rules.col_slice(columns // scheme.block_columns, self.tp, r)]
+                writers[r].write_rows(out_w, dst, rows)
+                if block_rows is not None:
+                    writers[r].write_rows(scheme.block_scale_name(unit.out), dst, block_rows)
+
     def write(self, writers: list[SafetensorsWriter], progress: Any | None) -> None:
         tp = self.tp
         for unit in self.units:
@@ -256,27 +309,11 @@ class _ModelWriter:
                         writers[r].write(f"{unit.out}.{suffix}", value)
             for part, src in zip(unit.parts, unit.sources):
                 name = self._src(unit, src)
-                src_rows = self.ckpt.shape(name)[0]
-                maps = [source_rows_to_rank(unit, part, src_rows, self.cfg, tp, r) for r in range(tp)]
-                cols = self.ckpt.shape(name)[1] if len(self.ckpt.shape(name)) > 1 else None
-                for a, chunk, _ in self._chunks(name):
+                shape = self.ckpt.shape(name)
+                maps = [source_rows_to_rank(unit, part, shape[0], self.cfg, tp, r) for r in range(tp)]
+                for first, chunk, _ in self._chunks(name):
                     self.stats.bytes_read += chunk.numel() * chunk.element_size()
-                    b = a + chunk.shape[0]
-                    data, blocks = scheme.encode(chunk)
-                    for r in range(tp):
-                        for m in maps[r]:
-                            lo, hi = max(a, m.src_start), min(b, m.src_start + m.n)
-                            if lo >= hi:
-                                continue
-                            dst = m.dst_start + lo - m.src_start
-                            piece, bpiece = data[lo - a : hi - a], None if blocks is None else blocks[lo - a : hi - a]
-                            if unit.split == "row":
-                                piece = piece[:, parallel.col_slice(cols // scheme.column_divisor, tp, r)]
-                                if bpiece is not None:
-                                    bpiece = bpiece[:, parallel.col_slice(cols // scheme.block_columns, tp, r)]
-                            writers[r].write_rows(out_w, dst, piece)
-                            if bpiece is not None:
-                                writers[r].write_rows(f"{unit.out}.{self.sn['w']}", dst, bpiece)
+                    self._write_chunk(writers, unit, scheme, out_w, maps, first, *scheme.encode(chunk), columns=shape[1] if len(shape) > 1 else None)
                     if progress is not None:
                         progress.update(chunk.numel() * chunk.element_size())
                 if unit.bias:
@@ -287,20 +324,14 @@ class _ModelWriter:
                             continue
                         for m in maps[r]:
                             writers[r].write_rows(unit.out + ".bias", m.dst_start, bias[m.src_start : m.src_start + m.n].to(self.dtype))
-        if self.kv_quant == "fp8":
+        if self.kv_scheme is not None:
             for kv in self.kv_units:
                 k, v = self.amax.get(f"{kv.source}.k_cache", 0.0), self.amax.get(f"{kv.source}.v_cache", 0.0)
                 if k <= 0 or v <= 0:
                     raise ConfigError("calibration recorded no K/V for this layer", key=f"{self.name}.{kv.source}")
-                names = kv_tensor_names(kv, self.fmt)
-                if self.fmt == "hf":  # vLLM / SGLang read k_scale / v_scale unclamped
-                    values = {"k": fp8_scale(k).reshape(()), "v": fp8_scale(v).reshape(())}
-                else:
-                    ks, vs = kv_cache_scale(k), kv_cache_scale(v)
-                    values = {"kv": torch.maximum(ks, vs), "k": ks, "v": vs}
-                for r in range(tp):
-                    for key, value in values.items():
-                        writers[r].write(names[key], value)
+                for name, value in self.kv_scheme.scales(kv, k, v).items():
+                    for r in range(tp):
+                        writers[r].write(name, value)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -323,14 +354,14 @@ def _check_sources(ckpt: SafetensorsCheckpoint, expected: dict[str, tuple[tuple[
         if got != shape:
             raise CheckpointError(f"shape {list(got)} != {list(shape)} expected from config.json", file=ckpt.file_of(name), key=name)
         dtype = ckpt.dtype(name)
-        if floating and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if floating and dtype not in DTYPES.values():
             raise CheckpointError(f"dtype {dtype} is not a float type (expected F32, BF16 or F16)", file=ckpt.file_of(name), key=name)
         if not floating and dtype.is_floating_point:
             raise CheckpointError(f"dtype {dtype} should be an integer type", file=ckpt.file_of(name), key=name)
 
 
 def _check_tp(cfg: TransformerConfig, tp: int, quant: str) -> None:
-    parallel.check_tp(
+    shard_rules.check_tp(
         tp,
         num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
@@ -380,10 +411,11 @@ def convert(
 
     if dtype not in DTYPES:
         raise ConfigError(f"unsupported dtype {dtype!r}; expected one of {list(DTYPES)}", key="--dtype")
-    if quant not in ("none", "fp8", "nvfp4"):
-        raise ConfigError(f"unsupported quantization {quant!r}; expected none, fp8 or nvfp4", key="--quant")
-    if kv_cache_quant not in ("none", "fp8"):
-        raise ConfigError(f"unsupported KV-cache quantization {kv_cache_quant!r}; expected none or fp8", key="--kv-cache-quant")
+    if quant not in SCHEMES:
+        raise ConfigError(f"unsupported quantization {quant!r}; expected one of {', '.join(SCHEMES)}", key="--quant")
+    if kv_cache_quant not in KV_SCHEMES:
+        raise ConfigError(f"unsupported KV-cache quantization {kv_cache_quant!r}; expected one of {', '.join(KV_SCHEMES)}",
+                          key="--kv-cache-quant")
     if fmt not in FORMATS:
         raise ConfigError(f"unsupported format {fmt!r}; expected one of {list(FORMATS)}", key="--format")
     engine = fmt == "engine"
@@ -562,8 +594,8 @@ def register_cli(sub) -> None:
     c.add_argument("--drafter", help="DFlash drafter directory (omit to convert the target alone)")
     c.add_argument("--out", required=True, help="output directory: OUT/target, OUT/drafter, tokenizer files in OUT")
     c.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of unquantized tensors (default bf16)")
-    c.add_argument("--quant", choices=["none", "fp8", "nvfp4"], default="none", help="weight + activation quantization of the linears")
-    c.add_argument("--kv-cache-quant", choices=["none", "fp8"], default="none", help="KV-cache quantization (FP8 scales from calibration)")
+    c.add_argument("--quant", choices=list(SCHEMES), default="none", help="weight + activation quantization of the linears")
+    c.add_argument("--kv-cache-quant", choices=list(KV_SCHEMES), default="none", help="KV-cache quantization (FP8 scales from calibration)")
     c.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks (rank{r}.safetensors each)")
     c.add_argument("--format", choices=list(FORMATS), default="trtllm", help="; ".join(f"{k}: {v}" for k, v in FORMATS.items()))
     c.add_argument("--calib", help="calibration prompts: one per line, or .jsonl with 'prompt' (default: the shipped training corpus)")

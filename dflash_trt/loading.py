@@ -38,12 +38,17 @@ def load_tokenizer(directory: str | Path):
         raise ConfigError(f"cannot load the tokenizer ({type(e).__name__}: {e})", file=directory) from None
 
 
+def encode_chat(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template, ready for the assistant's turn (thinking off
+    unless the caller says otherwise: Qwen3's template reads `enable_thinking`)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **{"enable_thinking": False, **template_kwargs})
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """One user prompt: through the chat template when asked and the tokenizer has one, else plain text."""
     if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, enable_thinking=False
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return tokenizer.encode(text)
 
 
@@ -125,13 +130,21 @@ def requested_drafter(args) -> str | None:
 def checkpoint_parts(checkpoint: str | Path) -> tuple[Path, Path]:
     """(target, drafter) directories of a `dflash-trt convert` output: DIR/target and DIR/drafter, or DIR
     itself for both when it is the one-engine checkpoint (`--format engine`, DFlashForCausalLM)."""
-    from .trtllm_format import is_engine_checkpoint
+    from .checkpoint_formats import is_engine_checkpoint
 
     checkpoint = Path(checkpoint)
     check_dir(checkpoint, "--checkpoint")
     if is_engine_checkpoint(checkpoint):
         return checkpoint, checkpoint
     return checkpoint / "target", checkpoint / "drafter"
+
+
+def checkpoint_root(part: str | Path) -> Path:
+    """The `dflash-trt convert` output a part directory belongs to (checkpoint_parts' inverse): DIR for DIR/target,
+    DIR itself for the one-engine checkpoint."""
+    from .checkpoint_formats import is_engine_checkpoint
+
+    return Path(part) if is_engine_checkpoint(part) else Path(part).parent
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -175,7 +188,7 @@ def add_tp_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _check_mapping(directory: Path, tp) -> None:
-    from .trtllm_format import _tp_of, read_trtllm_config
+    from .checkpoint_formats import _tp_of, read_trtllm_config
 
     path, raw = read_trtllm_config(directory)
     tp_size = _tp_of(raw, path)
@@ -189,7 +202,7 @@ def _check_mapping(directory: Path, tp) -> None:
 def _unshard(shards: torch.Tensor, split: str, part: str, cfg, tp: int) -> torch.Tensor:
     """shards [tp, rows, cols]: every rank's part of one HF-named tensor (as read_rank returns it) → the whole
     tensor, by the converter's own row maps run backwards."""
-    from . import parallel
+    from . import shard_rules
 
     if split in ("replicated", "vocab") or split == "row" and shards.dim() == 2:  # a row-parallel bias is whole on every rank
         return shards[0]
@@ -197,7 +210,7 @@ def _unshard(shards: torch.Tensor, split: str, part: str, cfg, tp: int) -> torch
         return torch.cat(list(shards), dim=1)
     if split == "column":
         return torch.cat(list(shards), dim=0)
-    maps = [parallel.qkv_rows(part, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp, r) for r in range(tp)]
+    maps = [shard_rules.qkv_rows(part, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp, r) for r in range(tp)]
     rows = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}[part] * cfg.head_dim
     full = shards.new_empty((rows, *shards.shape[2:]))
     for shard, rank_maps in zip(shards, maps):
@@ -209,7 +222,7 @@ def _unshard(shards: torch.Tensor, split: str, part: str, cfg, tp: int) -> torch
 
 def _replicate(cfg, tensors: dict[str, torch.Tensor], tp) -> dict[str, torch.Tensor]:
     """Every rank's drafter shard → the whole drafter on every rank (one all-gather per tensor, at load)."""
-    from .trtllm_format import drafter_units
+    from .checkpoint_formats import drafter_units
 
     units, _ = drafter_units(cfg)
     full: dict[str, torch.Tensor] = {}
@@ -247,7 +260,7 @@ def load_tp_backend(
     from .models.target import TargetModel
     from .torch_backend import TorchBackend
     from .tp import apply_tp, gather_embedding
-    from .trtllm_format import read_rank, trtllm_source
+    from .checkpoint_formats import read_rank, trtllm_source
 
     if drafter_mode not in ("sharded", "replicated"):
         raise ConfigError(f"unsupported drafter mode {drafter_mode!r}; expected sharded or replicated", key="--tp-drafter")
@@ -298,7 +311,7 @@ def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, devic
     from .checkpoint import load_module
     from .config import load_target_config
     from .models.target import TargetModel
-    from .trtllm_format import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
+    from .checkpoint_formats import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
 
     if is_trtllm_checkpoint(directory):
         cfg, source = single_rank_source(directory, dtype)
@@ -315,7 +328,7 @@ def load_drafter(directory: str | Path, target_cfg, dtype: torch.dtype = torch.f
     from .config import check_pair, load_drafter_config
     from .errors import CheckpointError
     from .models.drafter import DFlashDrafter
-    from .trtllm_format import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
+    from .checkpoint_formats import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
 
     cfg = check_pair(target_cfg, load_drafter_config(directory))
     feature_width = len(cfg.target_layer_ids) * target_cfg.hidden_size
@@ -343,8 +356,15 @@ def load_eagle_drafter(directory: str | Path, target_cfg, dtype=torch.float32, d
     """The EAGLE-3-style baseline drafter of `directory`, checked against the target's config."""
     from .checkpoint import load_module
     from .config import check_pair
-    from .models.eagle import Eagle3Drafter, load_eagle_config
+    from .config import load_eagle_config
+    from .models.eagle import Eagle3Drafter
 
+    from .errors import CheckpointError
+    from .checkpoint_formats import is_quantized_hf, is_trtllm_checkpoint
+
+    if is_trtllm_checkpoint(directory) or is_quantized_hf(directory):  # the converter writes DFlash drafters only
+        raise CheckpointError("an EAGLE-style drafter loads from its Hugging Face directory; converted checkpoints hold DFlash "
+                              "drafters", file=Path(directory) / "config.json", key="architecture")
     cfg = check_pair(target_cfg, load_eagle_config(directory))
     width = len(cfg.target_layer_ids) * target_cfg.hidden_size
     model = load_module(lambda: Eagle3Drafter(cfg, width), directory, dtype, device)

@@ -11,7 +11,6 @@ makes the file.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -385,7 +384,7 @@ def _ints(text: str, flag: str) -> list[int]:
 def setup_from_args(args) -> Setup:
     from .config import load_drafter_config, load_target_config
     from .loading import check_dir
-    from .models.eagle import load_eagle_config
+    from .config import load_eagle_config
     from .presets import drafter_shape, target_shape
 
     if args.preset and (args.target or args.drafter or args.eagle):
@@ -487,7 +486,7 @@ def register_cli(sub) -> None:
     p.add_argument("--eagle", help="an EAGLE-3-style drafter config directory")
     p.add_argument("--hardware", choices=sorted(HARDWARE), default="B300", help="one GPU's figures (cited in presets.py)")
     p.add_argument("--quant", choices=sorted(set(BYTES) - {"fp32"}), help="weight format (default: the preset's release format, else bf16)")
-    p.add_argument("--kv-quant", choices=["bf16", "fp8"], help="KV cache format (default: fp8 with fp8 / nvfp4 weights, else bf16)")
+    p.add_argument("--kv-quant", choices=["bf16", "fp8", "nvfp4"], help="KV cache format (default: fp8 with fp8 / nvfp4 weights, else bf16)")
     p.add_argument("--tp", default="1,2,4,8", help="TP degrees, comma-separated")
     p.add_argument("--batch", default="1,2,4,8,16,32,64,128,256", help="batch sizes (concurrent sequences), comma-separated")
     p.add_argument("--context", type=float, default=2048, help="mean tokens each sequence attends while decoding")

@@ -1,6 +1,6 @@
 """Tensor parallelism for the PyTorch runtime, gpt-fast style: `apply_tp` turns a target or DFlash drafter
 built for the full config into this rank's shard, one helper per layer kind, and the weights then load from
-the rank's own rank{r}.safetensors, which the converter wrote by the same rules (parallel.py).
+the rank's own rank{r}.safetensors, which the converter wrote by the same rules (shard_rules.py).
 
 Megatron layout: q/k/v and gate/up column-parallel (heads, intermediate rows), o_proj and down_proj
 row-parallel, each followed by one all-reduce: 2 all-reduces per layer and forward. KV heads are
@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import parallel
+from . import shard_rules
 from .errors import ConfigError, DFlashError
 
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
@@ -210,26 +210,26 @@ def _apply_tp_linear(parent: nn.Module, name: str, style: str, tp: TPGroup, rows
     if style == "colwise":
         new = nn.Linear(old.in_features, rows, bias=bias, device=device)
     else:
-        cols = parallel.col_slice(old.in_features, tp.world_size, tp.rank)
+        cols = shard_rules.col_slice(old.in_features, tp.world_size, tp.rank)
         new = RowParallelLinear(cols.stop - cols.start, old.out_features, bias, tp, device=device)
     setattr(parent, name, new)
 
 
 def _apply_tp_attention(attn: nn.Module, tp: TPGroup) -> None:
     n, r = tp.world_size, tp.rank
-    q_rows = parallel.qkv_rows("q", attn.num_heads, attn.num_kv_heads, attn.head_dim, n, r)
-    kv_rows = parallel.qkv_rows("k", attn.num_heads, attn.num_kv_heads, attn.head_dim, n, r)
+    q_rows = shard_rules.qkv_rows("q", attn.num_heads, attn.num_kv_heads, attn.head_dim, n, r)
+    kv_rows = shard_rules.qkv_rows("k", attn.num_heads, attn.num_kv_heads, attn.head_dim, n, r)
     _apply_tp_linear(attn, "q_proj", "colwise", tp, sum(m.n for m in q_rows))
     _apply_tp_linear(attn, "k_proj", "colwise", tp, sum(m.n for m in kv_rows))
     _apply_tp_linear(attn, "v_proj", "colwise", tp, sum(m.n for m in kv_rows))
     _apply_tp_linear(attn, "o_proj", "rowwise", tp)
     attn.num_heads = attn.num_heads // n
-    attn.num_kv_heads = parallel.kv_heads_per_rank(attn.num_kv_heads, n)
+    attn.num_kv_heads = shard_rules.kv_heads_per_rank(attn.num_kv_heads, n)
 
 
 def _apply_tp_mlp(mlp: nn.Module, tp: TPGroup) -> None:
     for name in ("gate_proj", "up_proj"):
-        rows = parallel.column_rows(getattr(mlp, name).out_features, tp.world_size, tp.rank)[0].n
+        rows = shard_rules.column_rows(getattr(mlp, name).out_features, tp.world_size, tp.rank)[0].n
         _apply_tp_linear(mlp, name, "colwise", tp, rows)
     _apply_tp_linear(mlp, "down_proj", "rowwise", tp)
 
@@ -237,7 +237,7 @@ def _apply_tp_mlp(mlp: nn.Module, tp: TPGroup) -> None:
 def _apply_tp_vocab(target: nn.Module, tp: TPGroup) -> None:
     """The embedding and lm_head as the checkpoint stores them: vocab rows padded to a multiple of tp, split."""
     cfg = target.cfg
-    rows = parallel.pad_vocab_size(cfg.vocab_size, tp.world_size) // tp.world_size
+    rows = shard_rules.pad_vocab_size(cfg.vocab_size, tp.world_size) // tp.world_size
     device = target.model.embed_tokens.weight.device
     target.model.embed_tokens = nn.Embedding(rows, cfg.hidden_size, device=device)
     target.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False, device=device)  # a tied model gets its own copy too
@@ -248,7 +248,7 @@ def apply_tp(model: nn.Module, tp: TPGroup) -> nn.Module:
     from .models.target import TargetModel
 
     if isinstance(model, TargetModel) and (model.cfg.num_experts or model.cfg.attention_sinks):
-        # No shard rules yet for experts or per-head sinks (parallel.py): refuse rather than shard wrongly.
+        # No shard rules yet for experts or per-head sinks (shard_rules.py): refuse rather than shard wrongly.
         raise ConfigError(f"tensor parallelism is not supported for {model.cfg.architecture} targets (tp=1 only)",
                           file=model.cfg.path, key="architectures")
     layers = model.model.layers if isinstance(model, TargetModel) else model.layers
@@ -305,7 +305,7 @@ def gather_embedding(target: nn.Module, tp: TPGroup) -> None:
 
 def vocab_columns(tp: TPGroup, vocab_size: int, device) -> torch.Tensor:
     """Global token ids of this rank's real (non-padding) lm_head rows."""
-    maps = parallel.vocab_rows(vocab_size, tp.world_size, tp.rank)
+    maps = shard_rules.vocab_rows(vocab_size, tp.world_size, tp.rank)
     return torch.cat([torch.arange(m.src_start, m.src_start + m.n) for m in maps] or [torch.zeros(0, dtype=torch.long)]).to(device)
 
 

@@ -1,6 +1,6 @@
 """TensorRT-LLM checkpoint configs (config.json with `architecture` and `mapping`) read back as Hugging Face
 config dicts: pure dict transforms, so that config.py can read a converted checkpoint without importing the
-checkpoint writers (trtllm_format.py imports config.py, never the reverse).
+checkpoint writers (checkpoint_formats.py imports config.py, never the reverse).
 
 The architecture names of the converted checkpoints live here too: the drafter's, the targets' (as ModelOpt
 writes them) and the one-engine checkpoint's (docs/engine-path.md).

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
-from dflash_trt.loading import encode_prompt, generation_eos_ids, load_tokenizer
+from dflash_trt.loading import DTYPES, encode_prompt, generation_eos_ids, load_target, load_tokenizer
 from dflash_trt.config import build_target_layer_ids, load_target_config
 from dflash_trt.kv_cache import pool_pages
-from dflash_trt.loading import load_target
+from dflash_trt.progress import progress_bar
 from dflash_trt.prompts import load_train_prompts
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
@@ -65,11 +64,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    target = load_target(args.target, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    target = load_target(args.target, dtype=DTYPES[args.dtype])
     eos = generation_eos_ids(args.target, tok)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     start, shard, total_tokens = time.time(), 0, 0
-    bar = tqdm(total=len(prompts), desc="generate", unit="prompt")
+    bar = progress_bar(total=len(prompts), desc="generate", unit="prompt")
     for lo in range(0, len(prompts), args.shard_size):
         chunk = prompts[lo : lo + args.shard_size]
         name = f"shard-{lo // args.shard_size:04d}"

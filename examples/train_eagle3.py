@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from train_common import build_drafter, common_args, finish, fit, load_inputs, training_head
 
 from dflash_trt.config import load_target_config
-from dflash_trt.models.eagle import EAGLE_ARCHITECTURE, Eagle3Drafter
+from dflash_trt.config import EAGLE_ARCHITECTURE
+from dflash_trt.models.eagle import Eagle3Drafter
 
 
 def eagle_config(target_dir: Path, layer_ids: list[int], intermediate_size: int, max_chain: int) -> dict:

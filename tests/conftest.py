@@ -165,8 +165,8 @@ def tiny_dirs(tmp_path_factory):
 
 def write_eagle(path: Path, target_dir: Path, block_size: int = 8, seed: int = 0, target_layer_ids=(0, 1, 3)) -> Path:
     """A random EAGLE-3-style baseline drafter in our format."""
-    from dflash_trt.config import check_pair
-    from dflash_trt.models.eagle import EAGLE_ARCHITECTURE, Eagle3Drafter, load_eagle_config
+    from dflash_trt.config import EAGLE_ARCHITECTURE, check_pair, load_eagle_config
+    from dflash_trt.models.eagle import Eagle3Drafter
 
     target_raw = json.loads((target_dir / "config.json").read_text())
     raw = {

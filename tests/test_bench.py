@@ -75,3 +75,13 @@ def test_the_verdict_says_which_method_is_fastest_why_and_whether_outputs_match(
     assert "7 of 8 outputs equal AR's" in lines[3] and "within 0.060" in lines[3]
     results["domains"]["math"]["dflash"] = row(0.8, 1.2, 4)
     assert verdict(results, ["ar", "dflash"], "fp32")[-1] == "- `dflash`'s outputs equal AR's on all 8 prompts (fp32: exact, as the tests prove)."
+
+
+def test_the_report_header_says_which_block_ran_in_words():
+    from dflash_trt.bench import header_line
+
+    assert "DFlash block 16 (the drafter's own)," in header_line("t", "bf16", 16, False, 4, 128, 2)
+    assert "DFlash block 4 (--block-size)," in header_line("t", "bf16", 4, True, 4, 128, 2)
+    assert "no DFlash drafter," in header_line("t", "fp32", None, False, 4, 128, 2)
+    assert "default" not in header_line("t", "bf16", 16, False, 4, 128, 2)  # it once said "block drafter default"
+

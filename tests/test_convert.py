@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import write_drafter, write_target
-from dflash_trt import parallel
+from dflash_trt import shard_rules
 from dflash_trt.cli import main
 from dflash_trt.convert import convert
 from dflash_trt.quant import dequantize_fp8, dequantize_nvfp4, fp8_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
@@ -98,7 +98,7 @@ def _rank_tensors(out: Path, model: str, tp: int) -> list[dict[str, torch.Tensor
 
 
 def _reassemble(shards: list[dict[str, torch.Tensor]], name: str, kind: str, cfg: dict, full_rows: int | None = None) -> torch.Tensor:
-    """Undo one split rule with plain slicing (independent of parallel.py's row maps)."""
+    """Undo one split rule with plain slicing (independent of shard_rules.py's row maps)."""
     tp = len(shards)
     parts = [s[name] for s in shards]
     if kind == "replicated":
@@ -179,9 +179,9 @@ def test_tp_errors(models, tmp_path):
 
 def test_kv_rows_rule():
     # nkv < tp: rank r holds head r // (tp / nkv); nkv >= tp: nkv / tp consecutive heads
-    assert [parallel.kv_head_ids(2, 8, r) for r in range(8)] == [[0], [0], [0], [0], [1], [1], [1], [1]]
-    assert [parallel.kv_head_ids(4, 2, r) for r in range(2)] == [[0, 1], [2, 3]]
-    assert parallel.pad_vocab_size(100, 8) == 104
+    assert [shard_rules.kv_head_ids(2, 8, r) for r in range(8)] == [[0], [0], [0], [0], [1], [1], [1], [1]]
+    assert [shard_rules.kv_head_ids(4, 2, r) for r in range(2)] == [[0, 1], [2, 3]]
+    assert shard_rules.pad_vocab_size(100, 8) == 104
 
 
 # --------------------------------------------------------------------------------------------------

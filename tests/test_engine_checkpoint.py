@@ -25,7 +25,7 @@ from dflash_trt.safetensors_io import SafetensorsFile
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.loading import load_torch_backend
 from dflash_trt.trtllm_config import ENGINE_DRAFTER_PREFIX, ENGINE_KEYS
-from dflash_trt.trtllm_format import read_rank
+from dflash_trt.checkpoint_formats import read_rank
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
 QUIET = dict(progress=False, log=lambda m: None)

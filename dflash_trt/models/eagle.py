@@ -9,16 +9,13 @@ EAGLE-3's first layer. Checkpoint format: ours (`architectures: [DFlashTrtEagle3
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from ..config import DrafterConfig, load_drafter_config
+from ..config import DrafterConfig
 from ..kv_cache import AttentionBatch, PagedKVCache
 from .layers import MLP, RMSNorm, Rotary, apply_rope, paged_attention, register_d2t
 
-EAGLE_ARCHITECTURE = "DFlashTrtEagle3Drafter"
 
 
 class EagleAttention(nn.Module):
@@ -78,8 +75,3 @@ class Eagle3Drafter(nn.Module):
             return paged_attention(q, cache.k[0], cache.v[0], batch, causal=True)
 
         return self.layer(embeds.to(self.fc.weight.dtype), hidden, cos, sin, attend)
-
-
-def load_eagle_config(directory: str | Path) -> DrafterConfig:
-    """Our EAGLE checkpoints reuse the DFlash config fields (layer ids, block_size = 1 + max chain length)."""
-    return load_drafter_config(directory, architecture=EAGLE_ARCHITECTURE)

@@ -25,7 +25,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DFlashError
@@ -252,7 +251,7 @@ def load_model(
     the pool holds `max_batch` requests of `max_model_len` tokens each. With `tp` (target_dir and
     drafter_dir inside one `dflash-trt convert --tp N` directory) each rank loads its own shards; rank 0
     alone reads the tokenizer (None on the others) and sends the EOS ids."""
-    from ..loading import DTYPES, generation_eos_ids, load_tokenizer, load_torch_backend, load_tp_backend, prepare_on_rank_0
+    from ..loading import DTYPES, checkpoint_root, generation_eos_ids, load_tokenizer, load_torch_backend, load_tp_backend, prepare_on_rank_0
     from ..config import load_target_config
 
     target_cfg = load_target_config(target_dir)  # fail on the config before touching weights
@@ -267,16 +266,12 @@ def load_model(
         backend = load_torch_backend(target_dir, drafter_dir, DTYPES[dtype], "cpu", kv_pages, page_size, block_size, drafter_type)
         eos = generation_eos_ids(target_dir, tokenizer, tokenizer_dir)
     else:
-        from ..trtllm_format import is_engine_checkpoint
-
         def prepare():
             tok = load_tokenizer(tokenizer_dir or target_dir)
             return sorted(generation_eos_ids(target_dir, tok, tokenizer_dir)), tok
 
         eos, tokenizer = prepare_on_rank_0(tp, prepare)
-        # the convert output: DIR/target (two parts) or DIR itself (the one-engine checkpoint)
-        checkpoint = Path(target_dir) if is_engine_checkpoint(target_dir) else Path(target_dir).parent
-        backend = load_tp_backend(checkpoint, tp, DTYPES[dtype], drafter_dir is not None, tp_drafter, kv_pages,
+        backend = load_tp_backend(checkpoint_root(target_dir), tp, DTYPES[dtype], drafter_dir is not None, tp_drafter, kv_pages,
                                   page_size, block_size)
     gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, use_drafter=drafter_dir is not None, max_seq_len=max_model_len,
                     max_verify_tokens=max_verify_tokens)

@@ -267,13 +267,13 @@ class Server:
     def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
+        from ..loading import encode_chat
+
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        kwargs = {"enable_thinking": False, **(body.chat_template_kwargs or {})}
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+            return encode_chat(self.tokenizer, messages, **(body.chat_template_kwargs or {}))
         except Exception as e:  # a template may raise on message orders it does not support
             raise APIError(400, f"the chat template rejected the messages ({type(e).__name__}: {e})", param="messages") from None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def encode_completion(self, body: CompletionRequest) -> list[list[int]]:
         prompts = body.prompts()

@@ -17,11 +17,14 @@ from pathlib import Path
 
 import torch
 
+from ..kv_cache import pool_pages
 from ..loading import load_drafter, load_target
 from ..runtime import Generator
 from ..sampling import SamplingParams
 from ..torch_backend import TorchBackend
 from .emulation import DFlashEngine, EagleRuntime, KVBlockPool
+
+PAGE_SIZE = 16  # tokens per KV block (TensorRT-LLM's tokens_per_block default)
 
 PROMPTS = ("Write a Python function that reverses a string.", "What is 17 * 23? Explain briefly.", "Name three uses of a hash map.")
 
@@ -37,20 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.checkpoint) == bool(args.target and args.drafter):
         ap.error("pass --target and --drafter, or --checkpoint")
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
+    from ..loading import encode_prompt, generation_eos_ids, load_tokenizer
 
     target_dir = drafter_dir = args.checkpoint
     if not args.checkpoint:
         target_dir, drafter_dir = args.target, args.drafter
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in PROMPTS]
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    eos = [tok.eos_token_id]
+    tok = load_tokenizer(target_dir)
+    prompts = [encode_prompt(tok, p, chat=True) for p in PROMPTS]
+    eos = sorted(generation_eos_ids(target_dir, tok))
     target = load_target(target_dir)
     drafter = load_drafter(drafter_dir, target.cfg)
     K = drafter.cfg.block_size - 1
 
-    backend = TorchBackend(target, drafter, num_pages=512, page_size=16)
+    pages = pool_pages(len(prompts), max(map(len, prompts)) + args.max_new_tokens, PAGE_SIZE, drafter.cfg.block_size)
+    backend = TorchBackend(target, drafter, num_pages=pages, page_size=PAGE_SIZE)
     ref_drafts: dict[int, list[list[int]]] = {i: [] for i in range(len(prompts))}
     real_draft = backend.draft
 
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:  # the pool's layers as the C++ runtime reads them from the engine's config (gptJsonConfig, Eagle)
         raw = json.loads((Path(args.checkpoint) / "config.json").read_text())
         layers = raw["num_hidden_layers"] + raw["eagle_net_config"]["num_hidden_layers"]
-    pool = KVBlockPool(512, layers, target.cfg.num_kv_heads, 16, target.cfg.head_dim)
+    # the executor sizes its pool from free GPU memory, not per request: a generous fixed pool stands for it
+    pool = KVBlockPool(512, layers, target.cfg.num_kv_heads, PAGE_SIZE, target.cfg.head_dim)
     runtime = EagleRuntime(DFlashEngine(target, drafter, pool), max_batch=len(prompts))
     ids = [runtime.enqueue_request(p, args.max_new_tokens, end_ids=eos) for p in prompts]
     start = time.perf_counter()

@@ -2,7 +2,7 @@
 
 What exists: the checkpoint it reads (`dflash-trt convert --format engine`: DFlashForCausalLM, the target's
 tensors plus the drafter's under `drafter.`, the drafter's config as `eagle_net_config`,
-trtllm_format.engine_config_json) and `decoder_layer_feature`, the feature capture its target loop uses.
+checkpoint_formats.engine_config_json) and `decoder_layer_feature`, the feature capture its target loop uses.
 What does not, yet: the DFlashForCausalLM network itself (target → accept → KV injection into the drafter
 layers of the same paged pool → block pass), so `register` refuses. The two-engine classes that used to be
 here (a capturing target and a separate drafter over flat caches) are gone with that design (docs/engine-path.md,
@@ -40,7 +40,7 @@ def decoder_layer_feature(output: Any, use_cache: bool) -> Any:
 def register(checkpoint_dir: str | Path) -> None:
     """Register DFlashForCausalLM in tensorrt_llm's MODEL_MAP for this process (what `engine_build` runs first).
     Refuses: the network is not written yet; a checkpoint of another layout is named as such."""
-    from ..trtllm_format import ENGINE_ARCHITECTURE
+    from ..checkpoint_formats import ENGINE_ARCHITECTURE
 
     path = Path(checkpoint_dir) / "config.json"
     try:
