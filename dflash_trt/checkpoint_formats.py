@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from . import parallel
+from . import shard_rules
 from .checkpoint import InMemorySource, SafetensorsCheckpoint
 from .safetensors_io import SafetensorsFile, SafetensorsWriter
 from .config import (
@@ -48,6 +48,8 @@ from .trtllm_config import (
     trtllm_target_as_hf,
 )
 from .quant import dequantize_fp8, dequantize_nvfp4
+from .quant.mxfp4 import BLOCK as MXFP4_BLOCK
+from .quant.mxfp4 import dequantize_mxfp4
 from .quant.nvfp4 import BLOCK as NVFP4_BLOCK
 
 QUANT_ALGOS = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}
@@ -175,30 +177,38 @@ def drafter_units(cfg: DrafterConfig, fmt: str = "trtllm", quantize: bool = Fals
 # Shapes and row placement per rank
 
 
-def source_rows_to_rank(unit: Unit, part: str, src_rows: int, cfg: TransformerConfig, tp: int, rank: int) -> list[parallel.RowMap]:
+def source_rows_to_rank(unit: Unit, part: str, src_rows: int, cfg: TransformerConfig, tp: int, rank: int) -> list[shard_rules.RowMap]:
     if unit.split == "qkv":
-        return parallel.qkv_rows(part, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp, rank)
+        return shard_rules.qkv_rows(part, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp, rank)
     if unit.split == "column":
-        return parallel.column_rows(src_rows, tp, rank)
+        return shard_rules.column_rows(src_rows, tp, rank)
     if unit.split == "vocab":
-        return parallel.vocab_rows(src_rows, tp, rank)
-    return [parallel.RowMap(0, 0, src_rows)]
+        return shard_rules.vocab_rows(src_rows, tp, rank)
+    return [shard_rules.RowMap(0, 0, src_rows)]
 
 
 def out_rows(unit: Unit, src_rows: int, cfg: TransformerConfig, tp: int) -> int:
     if unit.split == "qkv":
-        return parallel.qkv_rows_per_rank(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
+        return shard_rules.qkv_rows_per_rank(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
     if unit.split == "column":
         return src_rows // tp
     if unit.split == "vocab":
-        return parallel.pad_vocab_size(src_rows, tp) // tp
+        return shard_rules.pad_vocab_size(src_rows, tp) // tp
     return src_rows
 
 
-def scale_names(fmt: str) -> dict[str, str]:
+class ScaleNames(NamedTuple):
+    """Suffixes of a quantized linear's scale tensors in one format."""
+
+    weight: str  # FP8: the per-tensor weight scale; NVFP4: the per-block FP8 scales
+    weight_2: str  # NVFP4's global (second-level) weight scale
+    input: str  # the static activation scale
+
+
+def scale_names(fmt: str) -> ScaleNames:
     if fmt == "hf":
-        return {"w": "weight_scale", "w2": "weight_scale_2", "a": "input_scale"}
-    return {"w": "weights_scaling_factor", "w2": "weights_scaling_factor_2", "a": "activation_scaling_factor"}
+        return ScaleNames("weight_scale", "weight_scale_2", "input_scale")
+    return ScaleNames("weights_scaling_factor", "weights_scaling_factor_2", "activation_scaling_factor")
 
 
 def kv_tensor_names(kv: KVUnit, fmt: str) -> dict[str, str]:
@@ -400,16 +410,16 @@ def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.f
             continue
         w = get(unit.out + ".weight")
         if unit.quantized and quant == "fp8":
-            w = dequantize_fp8(w, get(f"{unit.out}.{names['w']}"), dtype)
+            w = dequantize_fp8(w, get(f"{unit.out}.{names.weight}"), dtype)
         elif unit.quantized and quant == "nvfp4":
-            w = dequantize_nvfp4(w, get(f"{unit.out}.{names['w']}"), get(f"{unit.out}.{names['w2']}"), dtype)
+            w = dequantize_nvfp4(w, get(f"{unit.out}.{names.weight}"), get(f"{unit.out}.{names.weight_2}"), dtype)
         else:
             w = w.to(dtype)
         bias = get(unit.out + ".bias").to(dtype) if unit.bias else None
-        act = get(f"{unit.out}.{names['a']}").float() if unit.quantized else None
+        act = get(f"{unit.out}.{names.input}").float() if unit.quantized else None
         if unit.split == "qkv":
             q_rows = cfg.num_heads // tp * cfg.head_dim
-            kv_rows = parallel.kv_heads_per_rank(cfg.num_kv_heads, tp) * cfg.head_dim
+            kv_rows = shard_rules.kv_heads_per_rank(cfg.num_kv_heads, tp) * cfg.head_dim
             pieces = zip(unit.sources, (0, q_rows, q_rows + kv_rows), (q_rows, kv_rows, kv_rows))
         else:
             pieces = [(unit.sources[0], 0, w.shape[0])]
@@ -419,7 +429,7 @@ def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.f
                 out[src + ".bias"] = bias[start : start + n].contiguous()
             if act is not None:
                 out[src + ".input_scale"] = act
-    if raw.get("quantization", {}).get("kv_cache_quant_algo") == "FP8":
+    if raw.get("quantization", {}).get("kv_cache_quant_algo") == QUANT_ALGOS["fp8"]:
         for kv in kv_units:
             names_kv = kv_tensor_names(kv, "trtllm")
             attn = f"{'layers' if is_drafter else 'model.layers'}.{kv.layer}.self_attn"
@@ -571,21 +581,22 @@ def quantized_hf_source(directory: str | Path, dtype: torch.dtype) -> InMemorySo
         algo = json.loads(qpath.read_text())["quantization"]["quant_algo"]
     except (json.JSONDecodeError, KeyError, TypeError):
         raise ConfigError("malformed (expected {'quantization': {'quant_algo': ...}})", file=qpath, key="quantization.quant_algo") from None
-    if algo not in (None, "FP8", "NVFP4"):
-        raise ConfigError(f"unsupported quant_algo {algo!r}; expected FP8 or NVFP4", file=qpath, key="quantization.quant_algo")
+    if algo not in QUANT_ALGOS.values():
+        raise ConfigError(f"unsupported quant_algo {algo!r}; expected one of {[a for a in QUANT_ALGOS.values() if a]}", file=qpath,
+                          key="quantization.quant_algo")
     ckpt = SafetensorsCheckpoint(directory)
     names = scale_names("hf")
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for name in ckpt.keys():
-        if name.endswith(tuple("." + s for s in names.values()) + (".k_scale", ".v_scale")):
+        if name.endswith(tuple("." + s for s in names) + (".k_scale", ".v_scale")):
             continue
         t = ckpt.get(name)
         module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module is not None and f"{module}.{names['w']}" in ckpt:
-            scale = ckpt.get(f"{module}.{names['w']}")
-            if algo == "NVFP4":
-                t = dequantize_nvfp4(t, scale, ckpt.get(f"{module}.{names['w2']}"), dtype)
+        if module is not None and f"{module}.{names.weight}" in ckpt:
+            scale = ckpt.get(f"{module}.{names.weight}")
+            if algo == QUANT_ALGOS["nvfp4"]:
+                t = dequantize_nvfp4(t, scale, ckpt.get(f"{module}.{names.weight_2}"), dtype)
             else:
                 t = dequantize_fp8(t, scale, dtype)
         elif t.is_floating_point():
@@ -593,3 +604,71 @@ def quantized_hf_source(directory: str | Path, dtype: torch.dtype) -> InMemorySo
         tensors[name] = t
         origin[name] = ckpt.file_of(name)
     return InMemorySource(tensors, origin, directory)
+
+
+# ----------------------------------------------------------------------------------------------------
+# gpt-oss releases: MXFP4 experts (quant/mxfp4.py)
+
+MXFP4_PACKED = ("_blocks", "_scales")
+
+
+def is_mxfp4_checkpoint(directory: str | Path) -> bool:
+    """A Hugging Face directory whose config says `quantization_config.quant_method: mxfp4` (openai/gpt-oss-*)."""
+    path = Path(directory) / "config.json"
+    try:
+        quant = json.loads(path.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+
+
+class Mxfp4Source(SafetensorsCheckpoint):
+    """A released gpt-oss checkpoint with the module's names: each `X_blocks` + `X_scales` pair reads as `X`,
+    dequantized on `get` and transposed to the transformers layout ([E, rows, cols] stored → [E, cols, rows]); every
+    other tensor as stored. A pair missing its half, or blocks and scales that disagree, is a CheckpointError."""
+
+    def __init__(self, directory: str | Path):
+        super().__init__(directory)
+        self.stored = stored = dict(self.weight_map)
+        self.packed: dict[str, tuple[str, str]] = {}
+        names: dict[str, Path] = {}
+        for name, file in stored.items():
+            if name.endswith("_scales") and name[: -len("_scales")] + "_blocks" not in stored:
+                raise CheckpointError("MXFP4 scales without their _blocks", file=file, key=name)
+            if not name.endswith(MXFP4_PACKED):
+                names[name] = file
+                continue
+            if name.endswith("_scales"):
+                continue
+            base = name[: -len("_blocks")]
+            if base + "_scales" not in stored:
+                raise CheckpointError("MXFP4 blocks without their _scales", file=file, key=name)
+            blocks, scales = self._stored_shape(name), self._stored_shape(base + "_scales")
+            if len(blocks) != 4 or blocks[:-1] != scales or blocks[-1] != MXFP4_BLOCK // 2:
+                raise CheckpointError(f"MXFP4 blocks {list(blocks)} do not match scales {list(scales)} (expected [E, rows, G, "
+                                      f"{MXFP4_BLOCK // 2}] and [E, rows, G])", file=file, key=name)
+            self.packed[base] = (name, base + "_scales")
+            names[base] = file
+        self.weight_map = names
+
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.stored[name]).tensors[name].shape)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.packed:
+            experts, rows, groups, _ = self._stored_shape(self.packed[name][0])
+            return (experts, groups * MXFP4_BLOCK, rows)
+        return super().shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name in self.packed else super().dtype(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.packed:
+            return super().get(name)
+        blocks_name, scales_name = self.packed[name]
+        try:
+            values = dequantize_mxfp4(*(self._open(self.stored[n]).read_rows(n) for n in (blocks_name, scales_name)))
+        except ValueError as e:
+            raise CheckpointError(str(e), file=self.file_of(name), key=blocks_name) from None
+        return values.transpose(1, 2).contiguous()

@@ -332,7 +332,9 @@ def _gpt_oss_fields(reader: _Reader, num_layers: int) -> dict[str, Any]:
     quant = reader.raw.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise reader.error("quantization_config", f"quantized gpt-oss checkpoints (quant_method {method!r}) are not supported; use BF16 weights")
+        if method != "mxfp4":  # the released checkpoints' format (experts only; checkpoint_formats.Mxfp4Source reads it)
+            raise reader.error("quantization_config", f"quantized gpt-oss checkpoints (quant_method {method!r}) are not supported; "
+                                                      "use the released MXFP4 or BF16 weights")
     num_experts = reader.int("num_local_experts")
     top_k = reader.int("num_experts_per_tok")
     if top_k > num_experts:

@@ -311,13 +311,20 @@ def load_target(directory: str | Path, dtype: torch.dtype = torch.float32, devic
     from .checkpoint import load_module
     from .config import load_target_config
     from .models.target import TargetModel
-    from .checkpoint_formats import is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source
+    from .checkpoint_formats import (
+        Mxfp4Source, is_mxfp4_checkpoint, is_quantized_hf, is_trtllm_checkpoint, quantized_hf_source, single_rank_source,
+    )
 
     if is_trtllm_checkpoint(directory):
         cfg, source = single_rank_source(directory, dtype)
     else:
         cfg = load_target_config(directory)
-        source = quantized_hf_source(directory, dtype) if is_quantized_hf(directory) else directory
+        if is_quantized_hf(directory):
+            source = quantized_hf_source(directory, dtype)
+        elif is_mxfp4_checkpoint(directory):  # a released gpt-oss: MXFP4 experts, dequantized as they are read
+            source = Mxfp4Source(directory)
+        else:
+            source = directory
     # A tied checkpoint may still carry lm_head.weight; the embedding is what is used.
     ignore = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     return load_module(lambda: TargetModel(cfg), source, dtype, device, ignore=ignore)

@@ -1,5 +1,6 @@
 """Weight and activation quantization in the formats TensorRT-LLM and ModelOpt use: FP8 (e4m3, per-tensor
-scale) and NVFP4 (e2m1 packed two per byte, e4m3 scale per 16 inputs, fp32 global scale)."""
+scale) and NVFP4 (e2m1 packed two per byte, e4m3 scale per 16 inputs, fp32 global scale); and MXFP4 (mxfp4.py: e2m1
+with an e8m0 scale per 32), the format gpt-oss releases ship their experts in, read only."""
 
 from .fp8 import E4M3_MAX, dequantize_fp8, fp8_scale, kv_cache_scale, quantize_fp8
 from .nvfp4 import (

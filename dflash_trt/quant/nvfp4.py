@@ -77,10 +77,16 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, block_scales: to
     return packed, block_scales
 
 
-def dequantize_nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """Inverse of `quantize_nvfp4` (exact: every e2m1 · e4m3 · fp32 product is representable in fp32)."""
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] holding two e2m1 codes each (even element in the low nibble, sign in bit 3) → fp32 [..., 2n].
+    NVFP4 and OCP MXFP4 pack them the same way."""
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
     mag = E2M1_VALUES.to(packed.device)[(codes & 0x07).long()]
-    values = torch.where((codes & 0x08) != 0, -mag, mag)
+    return torch.where((codes & 0x08) != 0, -mag, mag)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """Inverse of `quantize_nvfp4` (exact: every e2m1 · e4m3 · fp32 product is representable in fp32)."""
+    values = unpack_e2m1(packed)
     out = _blocks(values) * (block_scales.float() * global_scale.float()).unsqueeze(-1)
     return out.reshape(values.shape).to(dtype)

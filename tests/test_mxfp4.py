@@ -1,0 +1,126 @@
+"""gpt-oss in its released layout (issue 19 item 1): MXFP4 experts (`*_blocks` + `*_scales`) dequantized as the OCP
+MX format defines them, checked against a per-element reading of the spec and against transformers (its own MXFP4
+dequantization, and its GptOssForCausalLM loading the same checkpoint); the DFlash loop lossless on it."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+import transformers
+from conftest import assert_equals_transformers, write_drafter
+from safetensors.torch import load_file, save_file
+from test_gpt_oss import write_gpt_oss
+
+from dflash_trt.errors import CheckpointError
+from dflash_trt.loading import load_drafter, load_target
+from dflash_trt.quant.mxfp4 import dequantize_mxfp4
+from dflash_trt.runtime import Generator
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.torch_backend import TorchBackend
+
+RELEASED_QUANT_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def e2m1_by_the_spec(code: int) -> float:
+    """OCP MX v1.0 FP4 (E2M1): sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0; exponent 0 is subnormal."""
+    sign, exponent, mantissa = code >> 3, (code >> 1) & 3, code & 1
+    value = mantissa * 0.5 if exponent == 0 else 2.0 ** (exponent - 1) * (1 + mantissa / 2)
+    return -value if sign else value
+
+
+def test_dequantize_mxfp4_is_the_spec_and_transformers_dequantization():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 5, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (3, 5, 2), dtype=torch.uint8, generator=g)
+    ours = dequantize_mxfp4(blocks, scales)
+    naive = torch.empty(3, 5, 64)
+    for e in range(3):
+        for r in range(5):
+            for grp in range(2):
+                for i in range(16):  # byte i holds element 2i in its low nibble, 2i + 1 in its high nibble
+                    byte, scale = int(blocks[e, r, grp, i]), 2.0 ** (int(scales[e, r, grp]) - 127)
+                    naive[e, r, grp * 32 + 2 * i] = e2m1_by_the_spec(byte & 0xF) * scale
+                    naive[e, r, grp * 32 + 2 * i + 1] = e2m1_by_the_spec(byte >> 4) * scale
+    assert torch.equal(ours, naive)
+    assert torch.equal(ours.transpose(1, 2), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16).float(), ours)  # exact in bf16 too
+    with pytest.raises(ValueError, match="NaN"):
+        dequantize_mxfp4(blocks, torch.full_like(scales, 255))
+
+
+def write_released_layout(root, seed: int = 3):
+    """A random gpt-oss in the released layout (experts as MXFP4 blocks + scales, config with quantization_config),
+    and its twin with the same experts dequantized (plain fp32 tensors, no quantization_config)."""
+    twin = write_gpt_oss(root / "dequantized", seed=seed, intermediate_size=64)  # MX blocks of 32 divide every width
+    file = next(twin.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    g = torch.Generator().manual_seed(seed)
+    packed = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = tensors[name].shape  # the module's [E, in, out]; stored as [E, out, in / 32, 16]
+        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(118, 124, (experts, rows, cols // 32), dtype=torch.uint8, generator=g)
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        tensors[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    released = root / "released"
+    shutil.copytree(twin, released)
+    save_file({n: t for n, t in tensors.items() if n + "_blocks" not in packed} | packed, str(released / file.name),
+              metadata={"format": "pt"})
+    config = json.loads((released / "config.json").read_text())
+    (released / "config.json").write_text(json.dumps({**config, "quantization_config": RELEASED_QUANT_CONFIG}))
+    return released, twin
+
+
+def test_released_mxfp4_gpt_oss_equals_transformers_loading_it(tmp_path):
+    released, twin = write_released_layout(tmp_path)
+    stored = load_file(str(next(released.glob("*.safetensors"))))
+    assert stored["model.layers.0.mlp.experts.gate_up_proj_blocks"].dtype == torch.uint8 and "model.layers.0.mlp.experts.gate_up_proj" not in stored
+    hf = transformers.AutoModelForCausalLM.from_pretrained(released, dtype=torch.float32,
+                                                           quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    ours = load_target(released)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 23, 14)]
+    assert_equals_transformers(hf, ours, seqs, cuts=[3, 13, 12], capture=(0, 1, 3))
+    twin_model = load_target(twin)
+    for (name, a), b in zip(ours.state_dict().items(), twin_model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_the_dflash_loop_is_lossless_on_a_released_layout_target(tmp_path):
+    released, twin = write_released_layout(tmp_path, seed=5)
+    drafter_dir = write_drafter(tmp_path / "drafter", twin, num_layers=2, block_size=8, seed=6, target_layer_ids=[1, 2])
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 96) for _ in range(rng.randrange(3, 15))] for _ in range(3)]
+    target = load_target(released)
+    params = SamplingParams(max_new_tokens=16)
+    plain = Generator(TorchBackend(target, None, num_pages=128, page_size=4), max_batch=3).generate(prompts, params)
+    spec = Generator(TorchBackend(target, load_drafter(drafter_dir, target.cfg), num_pages=128, page_size=4), max_batch=3).generate(prompts, params)
+    assert [o.output_ids for o in spec] == [o.output_ids for o in plain]
+
+
+@pytest.mark.parametrize("damage", ["scales_missing", "blocks_missing", "shape_mismatch", "nan_scale"])
+def test_a_damaged_mxfp4_pair_is_one_checkpoint_error_naming_the_tensor(tmp_path, damage):
+    released, _ = write_released_layout(tmp_path)
+    file = next(released.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    name = "model.layers.1.mlp.experts.down_proj"
+    if damage == "scales_missing":
+        del tensors[name + "_scales"]
+    elif damage == "blocks_missing":
+        del tensors[name + "_blocks"]
+    elif damage == "shape_mismatch":
+        tensors[name + "_scales"] = tensors[name + "_scales"][:, :-1].contiguous()
+    else:
+        tensors[name + "_scales"] = torch.full_like(tensors[name + "_scales"], 255)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        load_target(released)
+    assert e.value.key.startswith(name) and str(file.name) in str(e.value)
