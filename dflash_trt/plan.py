@@ -382,9 +382,8 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def setup_from_args(args) -> Setup:
-    from .config import load_drafter_config, load_target_config
+    from .config import load_drafter_config, load_eagle_config, load_target_config
     from .loading import check_dir
-    from .config import load_eagle_config
     from .presets import drafter_shape, target_shape
 
     if args.preset and (args.target or args.drafter or args.eagle):
