@@ -182,8 +182,8 @@ class Pass:
     dtype: str  # the weights' format: which compute peak applies
 
 
-def _maximum(a, b):
-    """max for floats, and elementwise for the tensors the CPU fit passes (planner.fit_hardware)."""
+def elementwise_max(a, b):
+    """max for floats, and elementwise for the tensors the CPU fit passes (plan.fit_hardware)."""
     return a.maximum(b) if hasattr(a, "maximum") else max(a, b)
 
 
@@ -267,7 +267,7 @@ def forward(shape: Shape, hw: Hardware, quant: Quant, tp: int, tokens: int, seqs
     reduce_s = 2 * shape.layers * ring_all_reduce_s(tokens * shape.hidden * BYTES[quant.activations], tp, hw)
     reduce_s += all_gather_s(nbytes.get("all_gather", 0.0), head_tp, hw)
     overhead_s = pass_overhead_s(one, hw)
-    seconds = _maximum(memory_s, compute_s) + reduce_s + overhead_s
+    seconds = elementwise_max(memory_s, compute_s) + reduce_s + overhead_s
     return Cost(seconds, weights, kv, flops, memory_s, compute_s, reduce_s, overhead_s, nbytes, calls, passes=(one,))
 
 

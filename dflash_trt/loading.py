@@ -362,12 +362,10 @@ def load_drafter(directory: str | Path, target_cfg, dtype: torch.dtype = torch.f
 def load_eagle_drafter(directory: str | Path, target_cfg, dtype=torch.float32, device="cpu"):
     """The EAGLE-3-style baseline drafter of `directory`, checked against the target's config."""
     from .checkpoint import load_module
-    from .config import check_pair
-    from .config import load_eagle_config
-    from .models.eagle import Eagle3Drafter
-
-    from .errors import CheckpointError
     from .checkpoint_formats import is_quantized_hf, is_trtllm_checkpoint
+    from .config import check_pair, load_eagle_config
+    from .errors import CheckpointError
+    from .models.eagle import Eagle3Drafter
 
     if is_trtllm_checkpoint(directory) or is_quantized_hf(directory):  # the converter writes DFlash drafters only
         raise CheckpointError("an EAGLE-style drafter loads from its Hugging Face directory; converted checkpoints hold DFlash "

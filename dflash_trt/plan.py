@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .cost_model import (
-    BYTES, COMPUTE, Acceptance, Cost, Hardware, Quant, Shape, ar_step, dflash_step, eagle_step, kv_bytes_per_sequence,
+    BYTES, COMPUTE, Acceptance, Cost, Hardware, Pass, Quant, Shape, ar_step, dflash_step, eagle_step, elementwise_max, kv_bytes_per_sequence,
     pass_overhead_s, pass_roofline_s, resident_bytes, step_overhead_s, tree_expected_tokens,
 )
 from .errors import ConfigError
@@ -58,7 +58,7 @@ class Row:
     terms: dict | None = None
 
 
-def _row(setup: Setup, tp: int, batch: int, method: str, drafts: int, nodes: int, tokens: float, cost: Cost) -> Row:
+def _row(tp: int, batch: int, method: str, drafts: int, nodes: int, tokens: float, cost: Cost) -> Row:
     per_user = tokens / cost.seconds
     return Row(tp, batch, method, drafts, nodes, round(tokens, 3), round(cost.seconds * 1e3, 4), round(per_user, 2),
                round(per_user * batch, 2), round(per_user * batch / tp, 2),
@@ -69,13 +69,13 @@ def best_rows(setup: Setup, tp: int, batch: int, context: float, second_choice: 
     """One row per method: AR, and for each speculative method the draft length (tree size) that maximises
     tokens/s at this (tp, batch); a method that cannot beat AR there still shows its best."""
     hw, q = setup.hardware, setup.quant
-    ar = _row(setup, tp, batch, "ar", 0, 1, 1.0, ar_step(setup.target, hw, q, tp, batch, context))
+    ar = _row(tp, batch, "ar", 0, 1, 1.0, ar_step(setup.target, hw, q, tp, batch, context))
     rows = [ar]
     candidates: dict[str, list[Row]] = {}
     if setup.drafter is not None and setup.acceptance is not None:
         for k in range(1, setup.block_size):
             cost = dflash_step(setup.target, setup.drafter, hw, q, tp, batch, context, k, drafter_replicated=setup.drafter_replicated)
-            candidates.setdefault("dflash", []).append(_row(setup, tp, batch, "dflash", k, k + 1, setup.acceptance.expected(k), cost))
+            candidates.setdefault("dflash", []).append(_row(tp, batch, "dflash", k, k + 1, setup.acceptance.expected(k), cost))
         if second_choice is not None:
             tree = replace(setup.acceptance, second_choice=second_choice)
             depth = setup.block_size - 1
@@ -83,11 +83,11 @@ def best_rows(setup: Setup, tp: int, batch: int, context: float, second_choice: 
                 cost = dflash_step(setup.target, setup.drafter, hw, q, tp, batch, context, depth, verify_nodes=nodes + 1,
                                    drafter_replicated=setup.drafter_replicated)
                 tokens = tree_expected_tokens(tree, depth, nodes)
-                candidates.setdefault("dflash-tree", []).append(_row(setup, tp, batch, "dflash-tree", depth, nodes + 1, tokens, cost))
+                candidates.setdefault("dflash-tree", []).append(_row(tp, batch, "dflash-tree", depth, nodes + 1, tokens, cost))
     if setup.eagle is not None and setup.eagle_acceptance is not None:
         for k in range(1, setup.eagle_depth + 1):
             cost = eagle_step(setup.target, setup.eagle, hw, q, tp, batch, context, k)
-            candidates.setdefault("eagle", []).append(_row(setup, tp, batch, "eagle", k, k + 1, setup.eagle_acceptance.expected(k), cost))
+            candidates.setdefault("eagle", []).append(_row(tp, batch, "eagle", k, k + 1, setup.eagle_acceptance.expected(k), cost))
     for method in ("eagle", "dflash", "dflash-tree"):
         if method in candidates:
             rows.append(max(candidates[method], key=lambda r: r.per_user_tokens_per_s))
@@ -280,7 +280,8 @@ def fit_hardware(cells: list[dict], target: Shape, drafter: Shape | None, dtype:
         step_batches.append(float(c["batch"]))
     measured = torch.tensor([c["seconds"] for c in cells], dtype=torch.float64)
     weights = torch.tensor([c.get("weight", 1.0) for c in cells], dtype=torch.float64)
-    stacked = _StackedPass(*(torch.tensor([getattr(p, f) for p in passes], dtype=torch.float64) for f in ("bytes", "flops", "layers", "seqs")), dtype)
+    # one Pass whose fields are tensors over every pass of every cell: the cost model's formulas run on them as on floats
+    stacked = Pass(*(torch.tensor([getattr(p, f) for p in passes], dtype=torch.float64) for f in ("bytes", "flops", "layers", "seqs")), dtype)
     owner_t, batch_t = torch.tensor(owner), torch.tensor(step_batches, dtype=torch.float64)
     # start: 20 GB/s, 0.2 TFLOP/s, 10 µs per pass / layer / sequence-layer / step
     log_params = torch.log(torch.tensor([20.0, 0.2, 10.0, 10.0, 10.0, 10.0, 10.0], dtype=torch.float64)).requires_grad_()
@@ -289,7 +290,7 @@ def fit_hardware(cells: list[dict], target: Shape, drafter: Shape | None, dtype:
     def predicted(params):
         hw = _hardware(name, dtype, params)
         memory_s, compute_s = pass_roofline_s(stacked, hw)
-        per_pass = memory_s.maximum(compute_s) + pass_overhead_s(stacked, hw)
+        per_pass = elementwise_max(memory_s, compute_s) + pass_overhead_s(stacked, hw)
         return torch.zeros(len(cells), dtype=torch.float64).index_add(0, owner_t, per_pass) + step_overhead_s(batch_t, hw)
 
     for _ in range(iters):
@@ -298,17 +299,6 @@ def fit_hardware(cells: list[dict], target: Shape, drafter: Shape | None, dtype:
         loss.backward()
         opt.step()
     return _hardware(name, dtype, [float(v) for v in log_params.detach().exp()])
-
-
-@dataclass(frozen=True)
-class _StackedPass:
-    """cost_model.Pass with one tensor per field (every pass of every fitted cell)."""
-
-    bytes: object
-    flops: object
-    layers: object
-    seqs: object
-    dtype: str
 
 
 def _hardware(name: str, dtype: str, params) -> Hardware:

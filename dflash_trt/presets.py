@@ -79,17 +79,19 @@ MODELS: dict[str, ModelPreset] = {
 }
 
 
+def _windows(cfg) -> tuple[int | None, ...]:
+    return tuple(cfg.layer_window(i) for i in range(cfg.num_layers)) if cfg.layer_types else ()
+
+
 def target_shape(cfg) -> Shape:
     """A config.TargetConfig as the cost model sees it."""
-    windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers)) if cfg.layer_types else ()
     return Shape(cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                  cfg.head_dim, vocab=cfg.vocab_size, experts=cfg.num_experts, experts_per_token=cfg.num_experts_per_tok,
-                 windows=windows)
+                 windows=_windows(cfg))
 
 
 def drafter_shape(cfg, eagle: bool = False) -> Shape:
     """A config.DrafterConfig (DFlash, or our EAGLE-3-style baseline: one layer over [embedding ; hidden])."""
-    windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers)) if cfg.layer_types else ()
     return Shape(cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                 cfg.head_dim, windows=windows, feature_inputs=len(cfg.target_layer_ids), draft_vocab=cfg.draft_vocab_size or 0,
+                 cfg.head_dim, windows=_windows(cfg), feature_inputs=len(cfg.target_layer_ids), draft_vocab=cfg.draft_vocab_size or 0,
                  qkv_inputs=2 if eagle else 1)

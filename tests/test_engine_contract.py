@@ -276,3 +276,18 @@ def test_sampling_engine_emits_the_target_distribution(tmp_path):
     assert chisquare(observed, np.array(expected) * (n / sum(expected))).pvalue > 1e-3
     lengths = [k for i in ids for k in done[i].accepted_lengths]
     assert 1 in lengths and max(lengths) >= 2  # rejections and acceptances both ran
+
+
+def test_the_engine_check_script_tokenizes_through_the_chat_template_and_matches_the_reference(tiny_dirs, capsys):
+    """`python -m dflash_trt.trtllm.emulation_check` (what scripts/gpu_engine_check.sh runs): prompts through the
+    target's chat template, stops at the EOS union, a pool sized by kv_cache.pool_pages, the emulated engine equal to
+    the reference runtime token for token and draft for draft."""
+    from dflash_trt.loading import encode_prompt, load_tokenizer
+    from dflash_trt.trtllm import emulation_check
+
+    target_dir, drafter_dir = tiny_dirs
+    assert emulation_check.main(["--target", str(target_dir), "--drafter", str(drafter_dir), "--max-new-tokens", "12", "--threads", "1"]) == 0
+    assert "tokens equal to the reference runtime: True; drafts equal: True" in capsys.readouterr().out
+    tok = load_tokenizer(target_dir)
+    chat = encode_prompt(tok, emulation_check.PROMPTS[0], chat=True)
+    assert chat[0] == tok.convert_tokens_to_ids("<|im_start|>") and chat != tok.encode(emulation_check.PROMPTS[0])

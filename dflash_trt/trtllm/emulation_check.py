@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from ..kv_cache import pool_pages
-from ..loading import load_drafter, load_target
+from ..loading import encode_prompt, generation_eos_ids, load_drafter, load_target, load_tokenizer
 from ..runtime import Generator
 from ..sampling import SamplingParams
 from ..torch_backend import TorchBackend
 from .emulation import DFlashEngine, EagleRuntime, KVBlockPool
 
-PAGE_SIZE = 16  # tokens per KV block (TensorRT-LLM's tokens_per_block default)
+PAGE_SIZE = 16  # tokens per KV page, in the reference backend's pool and the emulated block pool alike
 
 PROMPTS = ("Write a Python function that reverses a string.", "What is 17 * 23? Explain briefly.", "Name three uses of a hash map.")
 
@@ -40,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.checkpoint) == bool(args.target and args.drafter):
         ap.error("pass --target and --drafter, or --checkpoint")
     torch.set_num_threads(args.threads)
-    from ..loading import encode_prompt, generation_eos_ids, load_tokenizer
 
     target_dir = drafter_dir = args.checkpoint
     if not args.checkpoint:
