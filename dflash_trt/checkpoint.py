@@ -170,6 +170,19 @@ class SafetensorsCheckpoint(TensorSource):
             raise CheckpointError("tensor not found", file=self.directory, key=name)
         return self._open(self.weight_map[name]).read_rows(name)
 
+    def row_chunks(self, name: str, bytes_per_row: int | None = None):
+        """(first row, rows) over tensor `name` in bounded chunks (SafetensorsFile.row_chunks)."""
+        yield from self.file(name).row_chunks(name, bytes_per_row=bytes_per_row)
+
+    def nbytes(self, name: str) -> int:
+        """Bytes tensor `name` takes on disk."""
+        info = self.file(name).tensors[name]
+        return info.end - info.start
+
+    def expert_matrix(self, name: str, e: int) -> torch.Tensor:
+        """Expert `e` of a stacked [E, in, out] (input-major, `x @ W`) tensor, output-major: [out, in]."""
+        return self.file(name).read_rows(name, e, e + 1)[0].transpose(0, 1)
+
 
 def load_module(build: Callable[[], torch.nn.Module], source: str | Path | TensorSource, dtype: torch.dtype, device, ignore: set[str] = frozenset()):
     """Build a module on the meta device, fill it with exactly the source's tensors (a checkpoint directory

@@ -73,6 +73,7 @@ class Unit:
     quantized: bool = False
     group: str | None = None
     bias: bool = False
+    experts: int = 0  # > 0: a stack of this many experts, stored [experts, rows / experts, ...] (gpt-oss's MoE)
 
     @property
     def kind(self) -> str:
@@ -89,18 +90,34 @@ class KVUnit:
     layer: int
 
 
+# gpt-oss's experts as the converter reads them (ExpertView): per layer, virtual 2-D output-major tensors
+# `{mlp}.experts.{gate,up,down}.weight` / `.bias` made from the module's fused, input-major, interleaved tensors.
+EXPERT_PARTS = ("up", "gate", "down")
+EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
 def _layer_units(prefix_in: str, prefix_out: str, cfg: TransformerConfig, fmt: str, quantize: bool, i: int) -> list[Unit]:
     a, m = f"{prefix_in}.self_attn", f"{prefix_in}.mlp"
     ab, mb = cfg.attention_bias, cfg.mlp_bias
+    experts = getattr(cfg, "num_experts", 0)
+    sinks = getattr(cfg, "attention_sinks", False)
     if fmt == "hf":
         units = [Unit(f"{prefix_in}.input_layernorm.weight", (f"{prefix_in}.input_layernorm.weight",), ("",), "replicated", False)]
         for p in ("q", "k", "v"):
             units.append(Unit(f"{a}.{p}_proj", (f"{a}.{p}_proj",), (p,), "replicated", True, quantize, f"{prefix_in}.attn", ab))
         if cfg.qk_norm:
             units += [Unit(f"{a}.{p}_norm.weight", (f"{a}.{p}_norm.weight",), ("",), "replicated", False) for p in ("q", "k")]
+        if sinks:
+            units.append(Unit(f"{a}.sinks", (f"{a}.sinks",), ("",), "replicated", False))
         units += [
             Unit(f"{a}.o_proj", (f"{a}.o_proj",), ("",), "replicated", True, quantize, None, ab),
             Unit(f"{prefix_in}.post_attention_layernorm.weight", (f"{prefix_in}.post_attention_layernorm.weight",), ("",), "replicated", False),
+        ]
+        if experts:  # the module's own tensors, unquantized (convert refuses quantized HF output for them)
+            units.append(Unit(f"{m}.router", (f"{m}.router",), ("",), "replicated", True, False, None, True))
+            units += [Unit(f"{m}.experts.{t}", (f"{m}.experts.{t}",), ("",), "replicated", False) for t in EXPERT_TENSORS]
+            return units
+        units += [
             Unit(f"{m}.gate_proj", (f"{m}.gate_proj",), ("",), "replicated", True, quantize, f"{prefix_in}.mlp", mb),
             Unit(f"{m}.up_proj", (f"{m}.up_proj",), ("",), "replicated", True, quantize, f"{prefix_in}.mlp", mb),
             Unit(f"{m}.down_proj", (f"{m}.down_proj",), ("",), "replicated", True, quantize, None, mb),
@@ -116,14 +133,27 @@ def _layer_units(prefix_in: str, prefix_out: str, cfg: TransformerConfig, fmt: s
             Unit(f"{o}.attention.q_layernorm.weight", (f"{a}.q_norm.weight",), ("",), "replicated", False),
             Unit(f"{o}.attention.k_layernorm.weight", (f"{a}.k_norm.weight",), ("",), "replicated", False),
         ]
+    if sinks:  # one logit per query head: split with the heads
+        units.append(Unit(f"{o}.attention.sinks", (f"{a}.sinks",), ("",), "column", False))
     units += [
         Unit(f"{o}.attention.dense", (f"{a}.o_proj",), ("",), "row", True, quantize, None, ab),
         Unit(f"{o}.post_layernorm.weight", (f"{prefix_in}.post_attention_layernorm.weight",), ("",), "replicated", False),
+    ]
+    if experts:
+        # TensorRT-LLM's MoE layer (tensorrt_llm/layers/moe.py `MixtureOfExperts`, `MoeOOTB.load_weights`): `mlp.router`
+        # (replicated, never quantized), `mlp.fc` [E, 2I, H] holding each expert's up (HF up_proj, GatedMLP's `gate`)
+        # then gate (the activated branch, GatedMLP's `fc`) rows, `mlp.proj` [E, H, I]; biases [E, 2I] and [E, H].
+        x = f"{m}.experts"
+        return units + [
+            Unit(f"{o}.mlp.router", (f"{m}.router",), ("",), "replicated", True, False, None, True),
+            Unit(f"{o}.mlp.fc", (f"{x}.up", f"{x}.gate"), ("up", "gate"), "experts", True, quantize, f"{o}.mlp.fc", True, experts),
+            Unit(f"{o}.mlp.proj", (f"{x}.down",), ("",), "row", True, quantize, None, True, experts),
+        ]
+    return units + [
         Unit(f"{o}.mlp.fc", (f"{m}.gate_proj",), ("",), "column", True, quantize, f"{o}.mlp", mb),
         Unit(f"{o}.mlp.gate", (f"{m}.up_proj",), ("",), "column", True, quantize, f"{o}.mlp", mb),
         Unit(f"{o}.mlp.proj", (f"{m}.down_proj",), ("",), "row", True, quantize, None, mb),
     ]
-    return units
 
 
 def target_units(cfg: TargetConfig, fmt: str = "trtllm", quantize: bool = False) -> tuple[list[Unit], list[KVUnit]]:
@@ -178,6 +208,8 @@ def drafter_units(cfg: DrafterConfig, fmt: str = "trtllm", quantize: bool = Fals
 
 
 def source_rows_to_rank(unit: Unit, part: str, src_rows: int, cfg: TransformerConfig, tp: int, rank: int) -> list[shard_rules.RowMap]:
+    if unit.split == "experts":
+        return shard_rules.expert_rows(part, unit.experts, src_rows // unit.experts, tp, rank)
     if unit.split == "qkv":
         return shard_rules.qkv_rows(part, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp, rank)
     if unit.split == "column":
@@ -190,7 +222,7 @@ def source_rows_to_rank(unit: Unit, part: str, src_rows: int, cfg: TransformerCo
 def out_rows(unit: Unit, src_rows: int, cfg: TransformerConfig, tp: int) -> int:
     if unit.split == "qkv":
         return shard_rules.qkv_rows_per_rank(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
-    if unit.split == "column":
+    if unit.split in ("column", "experts"):
         return src_rows // tp
     if unit.split == "vocab":
         return shard_rules.pad_vocab_size(src_rows, tp) // tp
@@ -261,23 +293,23 @@ def _common_config(cfg: TransformerConfig, dtype: torch.dtype, tp: int, quant: s
         "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1},
         "quantization": quantization,
         "rotary_base": rope.theta,
-        "rotary_scaling": None
-        if rope.type == "default"
-        else {"type": rope.type, "factor": rope.factor}
-        | (
-            {
-                "low_freq_factor": rope.low_freq_factor,
-                "high_freq_factor": rope.high_freq_factor,
-                "original_max_position_embeddings": rope.original_max_position_embeddings,
-            }
-            if rope.type == "llama3"
-            else {}
-        ),
+        "rotary_scaling": None if rope.type == "default" else {"type": rope.type, "factor": rope.factor} | _rope_extras(rope),
         "qk_layernorm": cfg.qk_norm,
         "attn_bias": cfg.attention_bias,
         "mlp_bias": cfg.mlp_bias,
     }
     return raw
+
+
+def _rope_extras(rope) -> dict[str, Any]:
+    """The scaled RoPE's own parameters, under Hugging Face's names (what trtllm_config reads back)."""
+    if rope.type == "llama3":
+        return {"low_freq_factor": rope.low_freq_factor, "high_freq_factor": rope.high_freq_factor,
+                "original_max_position_embeddings": rope.original_max_position_embeddings}
+    if rope.type == "yarn":
+        return {"original_max_position_embeddings": rope.original_max_position_embeddings, "beta_fast": rope.beta_fast,
+                "beta_slow": rope.beta_slow, "truncate": rope.truncate, "attention_factor": rope.attention_factor}
+    return {}
 
 
 def producer() -> dict[str, str]:
@@ -293,6 +325,12 @@ def target_config_json(cfg: TargetConfig, dtype: torch.dtype, tp: int, quant: st
     raw = _common_config(cfg, dtype, tp, quant, kv_quant, arch, decoder)
     if family == "qwen3":
         raw["qwen_type"] = "qwen3"
+    if family == "gpt_oss":
+        # `moe` as TensorRT-LLM's PretrainedConfig nests MoeConfig (num_experts, top_k); the routing is top-k over the
+        # router logits, then a softmax over the chosen ones. The rest is gpt-oss's own, under Hugging Face's names.
+        raw |= {"moe": {"num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok}, "attention_sinks": True,
+                "layer_types": list(cfg.layer_types), "sliding_window": cfg.sliding_window,
+                "swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit}
     raw["tie_word_embeddings"] = cfg.tie_word_embeddings
     raw["bos_token_id"] = cfg.bos_token_id
     raw["eos_token_id"] = list(cfg.eos_token_ids)
@@ -403,20 +441,34 @@ def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.f
         return ckpt.get(name)
 
     out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[str, torch.Tensor]] = {}  # an MoE layer's fc / proj (and biases), until both are read
+
+    def rows(t: torch.Tensor, unit: Unit) -> torch.Tensor:
+        return t.reshape(-1, t.shape[-1]) if unit.experts else t  # an expert stack [E, R, C] as the rows it was written as
+
     for unit in units:
         if not unit.linear:
             t = get(unit.out)
             out[unit.sources[0]] = t.to(dtype) if t.is_floating_point() else t
             continue
-        w = get(unit.out + ".weight")
+        w = rows(get(unit.out + ".weight"), unit)
         if unit.quantized and quant == "fp8":
             w = dequantize_fp8(w, get(f"{unit.out}.{names.weight}"), dtype)
         elif unit.quantized and quant == "nvfp4":
-            w = dequantize_nvfp4(w, get(f"{unit.out}.{names.weight}"), get(f"{unit.out}.{names.weight_2}"), dtype)
+            w = dequantize_nvfp4(w, rows(get(f"{unit.out}.{names.weight}"), unit), get(f"{unit.out}.{names.weight_2}"), dtype)
         else:
             w = w.to(dtype)
-        bias = get(unit.out + ".bias").to(dtype) if unit.bias else None
+        bias = get(unit.out + ".bias").to(dtype).reshape(-1) if unit.bias else None
         act = get(f"{unit.out}.{names.input}").float() if unit.quantized else None
+        if unit.experts:
+            module = unit.sources[0].rsplit(".", 1)[0]  # {mlp}.experts
+            stack = stacks.setdefault(module, {})
+            stack |= {"fc": w, "fc_bias": bias} if unit.split == "experts" else {"proj": w, "proj_bias": bias}
+            if act is not None:
+                out[f"{module}.{'gate_up_proj' if unit.split == 'experts' else 'down_proj'}.input_scale"] = act
+            if len(stack) == 4:
+                out |= {f"{module}.{k}": v for k, v in experts_as_module(**stacks.pop(module), experts=unit.experts).items()}
+            continue
         if unit.split == "qkv":
             q_rows = cfg.num_heads // tp * cfg.head_dim
             kv_rows = shard_rules.kv_heads_per_rank(cfg.num_kv_heads, tp) * cfg.head_dim
@@ -663,12 +715,121 @@ class Mxfp4Source(SafetensorsCheckpoint):
     def dtype(self, name: str) -> torch.dtype:
         return torch.float32 if name in self.packed else super().dtype(name)
 
+    def _dequantized(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Experts [start, stop) of a packed pair, as stored: [n, rows, cols] (row r = output r)."""
+        blocks_name, scales_name = self.packed[name]
+        try:
+            return dequantize_mxfp4(*(self._open(self.stored[n]).read_rows(n, start or 0, stop) for n in (blocks_name, scales_name)))
+        except ValueError as e:
+            raise CheckpointError(str(e), file=self.file_of(name), key=blocks_name) from None
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.packed:
             return super().get(name)
-        blocks_name, scales_name = self.packed[name]
-        try:
-            values = dequantize_mxfp4(*(self._open(self.stored[n]).read_rows(n) for n in (blocks_name, scales_name)))
-        except ValueError as e:
-            raise CheckpointError(str(e), file=self.file_of(name), key=blocks_name) from None
-        return values.transpose(1, 2).contiguous()
+        return self._dequantized(name).transpose(1, 2).contiguous()
+
+    def row_chunks(self, name: str, bytes_per_row: int | None = None):
+        """A packed tensor one expert at a time (dequantized, in the module's layout); others as stored."""
+        if name not in self.packed:
+            yield from super().row_chunks(name, bytes_per_row)
+            return
+        for e in range(self.shape(name)[0]):
+            yield e, self._dequantized(name, e, e + 1).transpose(1, 2).contiguous()
+
+    def nbytes(self, name: str) -> int:
+        if name not in self.packed:
+            return super().nbytes(name)
+        return sum(self._open(self.stored[n]).tensors[n].end - self._open(self.stored[n]).tensors[n].start for n in self.packed[name])
+
+    def expert_matrix(self, name: str, e: int) -> torch.Tensor:
+        if name not in self.packed:
+            return super().expert_matrix(name, e)
+        return self._dequantized(name, e, e + 1)[0]  # stored output-major already
+
+
+class ExpertView:
+    """What the TensorRT-LLM converter reads from a gpt-oss checkpoint: its tensors as they are, plus, per MoE layer,
+    the experts as virtual 2-D output-major tensors (`{mlp}.experts.gate` / `.up` [E·I, H], `.down` [E·H, I], each with
+    `.weight` and `.bias`), so that the row-wise writer (shard maps, FP8 / NVFP4 row encoding) handles them like
+    any linear. The module's `gate_up_proj` [E, H, 2I] is input-major with gate and up interleaved (gate = even
+    columns); `down_proj` [E, I, H] is input-major. Rows are produced one expert at a time (`row_chunks`)."""
+
+    def __init__(self, base: SafetensorsCheckpoint, num_layers: int):
+        self.base = base
+        self.virtual: dict[str, tuple[str, str, str]] = {}  # name → (stored tensor, part, weight | bias)
+        for i in range(num_layers):
+            x = f"model.layers.{i}.mlp.experts"
+            for part in EXPERT_PARTS:
+                stored = f"{x}.down_proj" if part == "down" else f"{x}.gate_up_proj"
+                self.virtual[f"{x}.{part}.weight"] = (stored, part, "weight")
+                self.virtual[f"{x}.{part}.bias"] = (stored + "_bias", part, "bias")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.virtual or name in self.base
+
+    def keys(self) -> list[str]:
+        return self.base.keys()
+
+    def file_of(self, name: str) -> Path:
+        return self.base.file_of(self.virtual[name][0] if name in self.virtual else name)
+
+    def nbytes(self, name: str) -> int:
+        return self.base.nbytes(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.base.dtype(self.virtual[name][0] if name in self.virtual else name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.virtual:
+            return self.base.shape(name)
+        stored, part, kind = self.virtual[name]
+        if kind == "bias":
+            experts, width = self.base.shape(stored)
+            return (experts * (width // 2 if part != "down" else width),)
+        experts, inputs, outputs = self.base.shape(stored)
+        return (experts * (outputs // 2 if part != "down" else outputs), inputs)
+
+    @staticmethod
+    def _pick(rows: torch.Tensor, part: str) -> torch.Tensor:
+        """The part's rows out of an output-major expert (interleaved gate/up; down whole)."""
+        return rows[0::2] if part == "gate" else rows[1::2] if part == "up" else rows
+
+    def row_chunks(self, name: str, bytes_per_row: int | None = None):
+        if name not in self.virtual:
+            yield from self.base.row_chunks(name, bytes_per_row)
+            return
+        stored, part, kind = self.virtual[name]
+        if kind == "bias":
+            yield 0, self.get(name)
+            return
+        per = self.shape(name)[0] // self.base.shape(stored)[0]
+        for e in range(self.base.shape(stored)[0]):
+            yield e * per, self._pick(self.base.expert_matrix(stored, e), part).contiguous()
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.virtual:
+            return self.base.get(name)
+        stored, part, kind = self.virtual[name]
+        if kind == "bias":
+            bias = self.base.get(stored)  # [E, 2I] interleaved, or [E, H]
+            return self._pick(bias.transpose(0, 1), part).transpose(0, 1).reshape(-1).contiguous()
+        return torch.cat([rows for _, rows in self.row_chunks(name)])
+
+
+def experts_as_module(fc: torch.Tensor, fc_bias: torch.Tensor, proj: torch.Tensor, proj_bias: torch.Tensor, experts: int) -> dict[str, torch.Tensor]:
+    """A rank's TensorRT-LLM MoE tensors (fc [E·2I', H] with up then gate rows per expert, proj [E·H, I'], biases
+    [E·2I'] and [E·H], 2-D as read back) in the module's layout and names (models/moe.py `Experts`)."""
+    rows = fc.shape[0] // experts
+    fc, fc_bias = fc.reshape(experts, rows, -1), fc_bias.reshape(experts, rows)
+    half = rows // 2
+    gate_up = torch.empty_like(fc)
+    gate_up[:, 0::2], gate_up[:, 1::2] = fc[:, half:], fc[:, :half]
+    gate_up_bias = torch.empty_like(fc_bias)
+    gate_up_bias[:, 0::2], gate_up_bias[:, 1::2] = fc_bias[:, half:], fc_bias[:, :half]
+    hidden = proj.shape[0] // experts
+    return {
+        "gate_up_proj": gate_up.transpose(1, 2).contiguous(),
+        "gate_up_proj_bias": gate_up_bias,
+        "down_proj": proj.reshape(experts, hidden, -1).transpose(1, 2).contiguous(),
+        "down_proj_bias": proj_bias.reshape(experts, hidden),
+    }

@@ -39,7 +39,10 @@ from .quant import fp8_scale, kv_cache_scale, nvfp4_activation_scale, nvfp4_glob
 from .quant.nvfp4 import BLOCK
 from .safetensors_io import SafetensorsWriter
 from .checkpoint_formats import (
+    ExpertView,
     KVUnit,
+    Mxfp4Source,
+    is_mxfp4_checkpoint,
     Unit,
     drafter_config_json,
     drafter_units,
@@ -206,10 +209,12 @@ class _ModelWriter:
     def _src(self, unit: Unit, src: str, suffix: str = ".weight") -> str:
         return src + suffix if unit.linear else src
 
-    def plan(self, rank: int) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, int]]:
-        """Per-rank tensors (name → dtype, shape) and, for vocab-padded ones, the bytes actually written."""
+    def plan(self, rank: int) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, int], dict[str, tuple[int, ...]]]:
+        """Per-rank tensors (name → dtype, shape as written: 2-D rows), for vocab-padded ones the bytes actually
+        written, and the shapes stored for expert stacks ([E, rows / E, ...])."""
         tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         expected: dict[str, int] = {}
+        stacked: dict[str, tuple[int, ...]] = {}
         for unit in self.units:
             shapes = [self.ckpt.shape(self._src(unit, s)) for s in unit.sources]
             rows = sum(s[0] for s in shapes) if unit.split != "qkv" else None
@@ -230,12 +235,21 @@ class _ModelWriter:
             if unit.bias:
                 brows = rows if unit.split != "row" else shapes[0][0]
                 tensors[unit.out + ".bias"] = (self.dtype, (brows,))
+                planned[unit.out + ".bias"] = tensors[unit.out + ".bias"]
+            for n, (_, shape) in planned.items() if unit.experts else ():
+                if shape and shape[0] in (rows, shapes[0][0]) and n.endswith((".weight", ".bias", f".{self.sn.weight}")):
+                    stacked[n] = (unit.experts, shape[0] // unit.experts, *shape[1:])
         if self.kv_scheme is not None:
             for kv in self.kv_units:
                 tensors.update(self.kv_scheme.tensors(kv))
-        return tensors, expected
+        return tensors, expected, stacked
 
     # -- scales ------------------------------------------------------------------------------------
+
+    def bytes_to_read(self) -> int:
+        """What `write` reads in row chunks (the progress bar's total): every source of every unit, as read."""
+        names = [self._src(unit, src) for unit in self.units for src in unit.sources]
+        return sum(math.prod(self.ckpt.shape(n)) * max(self.ckpt.dtype(n).itemsize, 1) for n in names)
 
     def _members(self, unit: Unit) -> list[Unit]:
         return [u for u in self.units if unit.group is not None and u.group == unit.group] or [unit]
@@ -271,10 +285,9 @@ class _ModelWriter:
     def _chunks(self, name: str):
         """(first row, row chunk, max |value| of the chunk) over tensor `name`, each chunk checked finite (chunks sized
         for their fp32 width: quantization widens them)."""
-        file = self.ckpt.file(name)
-        fp32_row = math.prod(file.tensors[name].shape[1:]) * 4
-        for a, chunk in file.row_chunks(name, bytes_per_row=fp32_row):
-            yield a, chunk, check_finite(chunk, file.path, name, row_offset=a)
+        fp32_row = math.prod(self.ckpt.shape(name)[1:]) * 4
+        for a, chunk in self.ckpt.row_chunks(name, bytes_per_row=fp32_row):
+            yield a, chunk, check_finite(chunk, self.ckpt.file_of(name), name, row_offset=a)
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -447,7 +460,11 @@ def convert(
             _check_tp(cfg, tp, quant)
             if quant == "nvfp4" and cfg.hidden_size % BLOCK:
                 raise ConfigError(f"NVFP4 needs hidden_size to be a multiple of {BLOCK}", file=cfg.path, key="hidden_size")
-    t_ckpt = SafetensorsCheckpoint(target_dir)
+    experts = t_cfg.num_experts > 0
+    if experts and fmt == "hf" and quant != "none":
+        raise ConfigError(f"a quantized-HF export of {t_cfg.architecture}'s fused experts is not written yet; use --format trtllm or engine "
+                          "(FP8 / NVFP4 experts), or --quant none", key="--quant")
+    t_ckpt = Mxfp4Source(target_dir) if is_mxfp4_checkpoint(target_dir) else SafetensorsCheckpoint(target_dir)
     with torch.device("meta"):
         t_model = TargetModel(t_cfg)
         d_model = DFlashDrafter(d_cfg, len(d_cfg.target_layer_ids) * t_cfg.hidden_size) if d_cfg is not None else None
@@ -465,26 +482,28 @@ def convert(
 
     quantize = quant != "none"
     stats = ConvertStats()
-    jobs = [("target", t_cfg, t_ckpt, *target_units(t_cfg, fmt, quantize))]
+    # gpt-oss's experts reach the TensorRT-LLM writer as 2-D output-major rows (checkpoint_formats.ExpertView)
+    t_source = ExpertView(t_ckpt, t_cfg.num_layers) if experts and fmt == "trtllm" else t_ckpt
+    jobs = [("target", t_cfg, t_source, *target_units(t_cfg, fmt, quantize))]
     if d_cfg is not None:
         jobs.append(("drafter", d_cfg, d_ckpt, *drafter_units(d_cfg, fmt, quantize)))
-    total = sum(t_ckpt.file(n).tensors[n].end - t_ckpt.file(n).tensors[n].start for n in t_ckpt.keys())
-    if d_ckpt is not None:
-        total += sum(d_ckpt.file(n).tensors[n].end - d_ckpt.file(n).tensors[n].start for n in d_ckpt.keys())
+    writers_of = {name: _ModelWriter(name, cfg, ckpt, units, kv_units, fmt, out_dtype, quant, kv_cache_quant, tp, amax.get(name, {}), stats)
+                  for name, cfg, ckpt, units, kv_units in jobs}
     start = time.perf_counter()
     with atomic_directory(out, force=force) as tmp:
+        total = sum(w.bytes_to_read() for w in writers_of.values())
         bar = progress_bar(total=total, unit="B", unit_scale=True, desc=f"convert {quant} tp={tp}", disable=not progress)
         try:
             for name, cfg, ckpt, units, kv_units in jobs:
-                writer = _ModelWriter(name, cfg, ckpt, units, kv_units, fmt, out_dtype, quant, kv_cache_quant, tp, amax.get(name, {}), stats)
+                writer = writers_of[name]
                 sub = tmp / name
                 sub.mkdir()
                 files = [f"rank{r}.safetensors" for r in range(tp)] if fmt == "trtllm" else ["model.safetensors"]
                 writers = []
                 try:
                     for r, fname in enumerate(files):
-                        tensors, expected = writer.plan(r)
-                        writers.append(SafetensorsWriter(sub / fname, tensors, expected))
+                        tensors, expected, stacked = writer.plan(r)
+                        writers.append(SafetensorsWriter(sub / fname, tensors, expected, stored_shapes=stacked))
                     writer.write(writers, bar)
                     for w in writers:
                         w.finish()
@@ -492,9 +511,7 @@ def convert(
                     for w in writers:
                         stats.bytes_written += w.bytes_written
                         w.close()
-                stats.largest_tensor_bytes = max(
-                    [stats.largest_tensor_bytes] + [ckpt.file(n).tensors[n].end - ckpt.file(n).tensors[n].start for n in ckpt.keys()]
-                )
+                stats.largest_tensor_bytes = max([stats.largest_tensor_bytes] + [ckpt.nbytes(n) for n in ckpt.keys()])
                 _write_config(sub, name, cfg, t_cfg, fmt, out_dtype, tp, quant, kv_cache_quant, target_dir if name == "target" else drafter_dir)
                 stats.files += [f"{name}/{f}" for f in files]
         finally:

@@ -150,15 +150,21 @@ class SafetensorsWriter:
     tensor got the bytes it was promised."""
 
     def __init__(self, path: str | Path, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], expected_bytes: dict[str, int] | None = None,
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, stored_shapes: dict[str, tuple[int, ...]] | None = None):
+        """`stored_shapes`: the shape the header records for a tensor written as `tensors` declares it (same
+        element count; e.g. a stack of experts [E, R, C] written as rows of [E·R, C])."""
         self.path = Path(path)
         header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         self.info: dict[str, TensorInfo] = {}
         offset = 0
+        stored_shapes = stored_shapes or {}
         for name in sorted(tensors):
             dtype, shape = tensors[name]
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            stored = stored_shapes.get(name, shape)
+            if math.prod(stored) != math.prod(shape):
+                raise ValueError(f"{name}: stored shape {list(stored)} does not hold {list(shape)}")
+            header[name] = {"dtype": NAMES[dtype], "shape": list(stored), "data_offsets": [offset, offset + nbytes]}
             self.info[name] = TensorInfo(name, dtype, tuple(shape), offset, offset + nbytes)
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()

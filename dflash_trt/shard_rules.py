@@ -9,6 +9,20 @@ TP runtime (which loads them): Megatron column/row splits as TensorRT-LLM lays t
 - KV heads: rank r holds KV head r // (tp / nkv) when nkv < tp (`dup_kv_weight`,
   tensorrt_llm/models/convert_utils.py), which needs tp % nkv == 0; else nkv / tp heads each.
 
+- gpt-oss: the sinks (one logit per query head) follow their heads; the router stays replicated.
+  **Experts**: every rank holds every expert's slice of the intermediate dimension (the fused gate/up
+  rows, column-parallel, and the down projection's inputs, row-parallel; one all-reduce per MoE layer, as
+  for a dense MLP), not a subset of whole experts (expert parallelism). Why, per decode step: a step reads
+  the experts its tokens route to, E·(1 − (1 − k/E)^T) of them (cost_model.py). Split by the
+  intermediate dimension, each rank reads 1/tp of each, so the per-rank read is exactly 1/tp of the
+  step's. Split by experts, the step waits for the rank whose experts are hit most: for gpt-oss-120b
+  (E 128, k 4) at tp 8 and one token, 4 distinct experts over 8 ranks of 16 put two or more on one rank
+  with probability 1 − (112·96·80)/(127·126·125) ≈ 0.57, so more than half the time the slowest rank
+  reads 2/4 of the step's expert weights (at best 1/4) where the intermediate split reads 1/8;
+  for a 16-token verify the touched experts spread wider but a rank still reads ≥ 1/tp of them. Expert
+  parallelism pays at large batch, with all-to-all routing, which the engine path's MoE plugin handles
+  (`moe_ep_size`), not this runtime.
+
 Every rule maps rows of a source tensor to rows of a rank's tensor (`RowMap`), so NVFP4 block scales
 (rows × in/16) and packed weights (rows × in/2) split with their weights, and the converter can
 stream a tensor in row chunks without materialising the shards.
@@ -110,3 +124,13 @@ def col_slice(cols: int, tp: int, rank: int, unit: int = 1) -> slice:
         raise ValueError(f"{cols} columns do not split into {tp} parts")
     n = cols // tp
     return slice(rank * n, (rank + 1) * n)
+
+
+def expert_rows(part: str, experts: int, rows_per_expert: int, tp: int, rank: int) -> list[RowMap]:
+    """Where rows of the stacked up / gate projections (`part`; [experts · I, H] each, expert-major) go in rank
+    `rank`'s fused `fc` [experts, 2 · I / tp, H]: per expert, this rank's slice of I, up rows first, then gate."""
+    if rows_per_expert % tp:
+        raise ValueError(f"{rows_per_expert} rows per expert do not split into {tp} parts")
+    n = rows_per_expert // tp
+    offset = {"up": 0, "gate": n}[part]
+    return [RowMap(e * rows_per_expert + rank * n, e * 2 * n + offset, n) for e in range(experts)]

@@ -243,18 +243,39 @@ def _apply_tp_vocab(target: nn.Module, tp: TPGroup) -> None:
     target.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False, device=device)  # a tied model gets its own copy too
 
 
+def _apply_tp_sinks(attn: nn.Module, tp: TPGroup) -> None:
+    """gpt-oss's per-head sink logits follow their query heads (rank r holds heads r·nh/tp ...)."""
+    rows = shard_rules.column_rows(attn.sinks.shape[0], tp.world_size, tp.rank)[0].n
+    attn.sinks = nn.Parameter(torch.empty(rows, device=attn.sinks.device))
+
+
+def _apply_tp_experts(moe: nn.Module, tp: TPGroup) -> None:
+    """Every expert's intermediate dimension split across ranks (shard_rules.py, "Experts"): gate_up_proj keeps this
+    rank's gate/up column pairs, down_proj its rows; the router and down_proj_bias stay whole."""
+    ex = moe.experts
+    E, H, two_i = ex.gate_up_proj.shape
+    part = shard_rules.column_rows(two_i // 2, tp.world_size, tp.rank)[0].n
+    device = ex.gate_up_proj.device
+    ex.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * part, device=device))
+    ex.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * part, device=device))
+    ex.down_proj = nn.Parameter(torch.empty(E, part, H, device=device))
+    moe.tp = tp
+
+
 def apply_tp(model: nn.Module, tp: TPGroup) -> nn.Module:
     """Shard a TargetModel or DFlashDrafter (built for the full config) into rank `tp.rank`'s part, in place."""
+    from .models.moe import MoE
     from .models.target import TargetModel
 
-    if isinstance(model, TargetModel) and (model.cfg.num_experts or model.cfg.attention_sinks):
-        # No shard rules yet for experts or per-head sinks (shard_rules.py): refuse rather than shard wrongly.
-        raise ConfigError(f"tensor parallelism is not supported for {model.cfg.architecture} targets (tp=1 only)",
-                          file=model.cfg.path, key="architectures")
     layers = model.model.layers if isinstance(model, TargetModel) else model.layers
     for layer in layers:
+        if getattr(layer.self_attn, "sinks", None) is not None:
+            _apply_tp_sinks(layer.self_attn, tp)
         _apply_tp_attention(layer.self_attn, tp)
-        _apply_tp_mlp(layer.mlp, tp)
+        if isinstance(layer.mlp, MoE):
+            _apply_tp_experts(layer.mlp, tp)
+        else:
+            _apply_tp_mlp(layer.mlp, tp)
     if isinstance(model, TargetModel):
         _apply_tp_vocab(model, tp)
         model.vocab = ShardedVocab(tp, model.cfg.vocab_size, tp.device)

@@ -23,7 +23,9 @@ ENGINE_DRAFTER_PREFIX = "drafter."  # drafter tensors in the merged rank files; 
 # family → (architecture, ModelOpt's `decoder` field), as ModelOpt writes them; TensorRT-LLM's MODEL_MAP
 # maps "Qwen3ForCausalLM" to its QWenForCausalLM class, which reads qwen_type (tensorrt_llm/models/__init__.py,
 # models/qwen/config.py). "QWenForCausalLM" + qwen_type "qwen3" is read back too.
-TRTLLM_TARGET_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen")}
+# gpt-oss has no model on TensorRT-LLM 1.2.x's engine path: "GptOssForCausalLM" is ours (the Hugging Face name).
+TRTLLM_TARGET_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen"),
+                               "gpt_oss": ("GptOssForCausalLM", "gpt_oss")}
 
 
 def is_trtllm_config(raw: dict[str, Any]) -> bool:
@@ -96,6 +98,12 @@ def trtllm_target_as_hf(raw: dict[str, Any], path: Path, hf_architectures: dict[
     for key in ("bos_token_id", "eos_token_id"):
         if raw.get(key) is not None:
             hf[key] = raw[key]
+    if family == "gpt_oss":
+        moe = raw.get("moe")
+        if not isinstance(moe, dict):
+            raise ConfigError("a gpt-oss checkpoint's MoE config (an object with num_experts, top_k) is missing", file=path, key="moe")
+        hf.update(num_local_experts=moe.get("num_experts"), num_experts_per_tok=moe.get("top_k"),
+                  **{k: raw.get(k) for k in ("layer_types", "sliding_window", "swiglu_alpha", "swiglu_limit")})
     return hf
 
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 from torch import nn
 from ..progress import progress_bar
 
+from ..models.moe import MoE
 from ..runtime import Generator
 from ..sampling import SamplingParams
 
@@ -36,6 +37,13 @@ def calibrate(backend, prompts: list[list[int]], max_new_tokens: int = 32, progr
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
                 handles.append(module.register_forward_pre_hook(record(amax[key], name)))
+            elif isinstance(module, MoE):
+                # gpt-oss's experts are stacked tensors, not nn.Linear: the up / gate input is the layer's input (every
+                # token goes to some expert), the down input what Experts.down_input sees; keys are the converter's
+                # sources (checkpoint_formats.ExpertView).
+                for part in ("up", "gate"):
+                    handles.append(module.register_forward_pre_hook(record(amax[key], f"{name}.experts.{part}")))
+                handles.append(module.experts.down_input.register_forward_pre_hook(record(amax[key], f"{name}.experts.down")))
     drafter = backend.drafter
     if drafter is not None and hasattr(drafter, "hidden_norm") and hasattr(drafter, "layers"):
         # Context K/V are projected from hidden_norm's output by the fused ctx_kv weight, outside the
