@@ -20,7 +20,6 @@ from dflash_trt.loading import load_target
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.torch_backend import TorchBackend
-from dflash_trt.tp import apply_tp
 
 TINY_GPT_OSS = dict(
     hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -134,11 +133,9 @@ def test_speculative_greedy_equals_transformers_greedy_on_gpt_oss(lossless_setup
 
 def test_gpt_oss_unsupported_paths_fail_with_config_errors(tmp_path, lossless_setup):
     target_dir, drafter_dir, _, _, target = lossless_setup
-    with pytest.raises(ConfigError, match="not yet supported by `dflash-trt convert`") as e:
-        convert(target_dir, drafter_dir, tmp_path / "out")
-    assert e.value.key == "architectures" and not (tmp_path / "out").exists()
-    with pytest.raises(ConfigError, match="tensor parallelism is not supported"):
-        apply_tp(target, None)
+    with pytest.raises(ConfigError, match="quantized-HF export") as e:
+        convert(target_dir, drafter_dir, tmp_path / "out", fmt="hf", quant="fp8", amax={"target": {}, "drafter": {}}, **QUIET)
+    assert e.value.key == "--quant" and not (tmp_path / "out").exists()
     raw = json.loads((target_dir / "config.json").read_text())
     quantized = tmp_path / "mxfp4"
     quantized.mkdir()
@@ -146,3 +143,94 @@ def test_gpt_oss_unsupported_paths_fail_with_config_errors(tmp_path, lossless_se
     with pytest.raises(ConfigError, match="gptq") as e:
         load_target_config(quantized)
     assert e.value.key == "quantization_config"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Conversion (issue 19 item 2): TensorRT-LLM checkpoints on TensorRT-LLM's MoE names, read back by the runtime
+
+QUIET = dict(progress=False, log=lambda *_: None)
+
+
+def _quantized_like_the_converter(w: torch.Tensor, quant: str) -> torch.Tensor:
+    """w [E, in, out] (the module's experts) through FP8 / NVFP4 with one scale for the whole stack, computed here
+    on the output-major rows directly (no fc / proj layout, no interleave): the independent reference."""
+    from dflash_trt.quant import dequantize_fp8, dequantize_nvfp4, fp8_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
+
+    E, n_in, n_out = w.shape
+    rows = w.transpose(1, 2).reshape(E * n_out, n_in)
+    amax = float(rows.abs().max())
+    if quant == "fp8":
+        scale = fp8_scale(amax)
+        back = dequantize_fp8(quantize_fp8(rows, scale), scale, torch.float32)
+    else:
+        gs = nvfp4_global_scale(amax)
+        back = dequantize_nvfp4(*quantize_nvfp4(rows, gs), gs, torch.float32)
+    return back.reshape(E, n_out, n_in).transpose(1, 2)
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
+def test_gpt_oss_converts_to_trtllm_moe_layout_and_reads_back(lossless_setup, tmp_path, quant):
+    """tp 2: every expert's rows land where TensorRT-LLM's MoE layer reads them (fc = [up; gate] per expert, 3-D
+    stacks), and the runtime reads the checkpoint back to the module's weights: exactly (none), or equal to the
+    dequantized FP8 / NVFP4 of the same weights computed independently."""
+    from safetensors import safe_open
+
+    from dflash_trt.checkpoint_formats import read_rank
+
+    _, _, prompts, _, _ = lossless_setup
+    target_dir = write_gpt_oss(tmp_path / "target", seed=8, intermediate_size=64)  # NVFP4 at tp 2: I / 2 a multiple of 16
+    drafter_dir = write_drafter(tmp_path / "drafter", target_dir, num_layers=1, block_size=8, seed=9, target_layer_ids=[2])
+    target = load_target(target_dir)
+    out = tmp_path / "out"
+    convert(target_dir, drafter_dir, out, dtype="fp32", quant=quant, tp=2, calib_prompts=prompts[:2], calib_max_new_tokens=4, **QUIET)
+    raw = json.loads((out / "target" / "config.json").read_text())
+    assert raw["architecture"] == "GptOssForCausalLM" and raw["moe"] == {"num_experts": 4, "top_k": 2}
+    assert raw["layer_types"] == list(target.cfg.layer_types) and raw["rotary_scaling"]["type"] == "yarn"
+    cfg = target.cfg
+    E, I, H = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
+    with safe_open(out / "target" / "rank1.safetensors", "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        stored_fc = f.get_tensor("transformer.layers.0.mlp.fc.weight")
+    packed = 2 if quant == "nvfp4" else 1
+    assert shapes["transformer.layers.0.mlp.fc.weight"] == (E, 2 * I // 2, H // packed)
+    assert shapes["transformer.layers.0.mlp.proj.weight"] == (E, H, I // 2 // packed)
+    assert shapes["transformer.layers.0.mlp.router.weight"] == (E, H) and shapes["transformer.layers.0.attention.sinks"] == (cfg.num_heads // 2,)
+    full = target.state_dict()
+    if quant == "none":  # rank 1's fc rows of expert 3: up then gate, the second half of I, from the interleaved HF tensor
+        gate_up = full["model.layers.0.mlp.experts.gate_up_proj"][3]  # [H, 2I]: gate = even columns
+        assert torch.equal(stored_fc[3, : I // 2], gate_up[:, 1::2][:, I // 2 :].T)
+        assert torch.equal(stored_fc[3, I // 2 :], gate_up[:, 0::2][:, I // 2 :].T)
+    parts = [read_rank(out / "target", r, torch.float32)[1] for r in range(2)]
+    for layer in range(cfg.num_layers):
+        x = f"model.layers.{layer}.mlp.experts"
+        gate_up = full[f"{x}.gate_up_proj"]
+        down = full[f"{x}.down_proj"]
+        if quant != "none":
+            gate_up, down = _quantized_like_the_converter(gate_up, quant), _quantized_like_the_converter(down, quant)
+        # rank r holds gate/up column pairs [r·I/2, (r+1)·I/2) and down rows likewise; biases and router as they are
+        halves = [gate_up.view(E, H, I, 2)[:, :, r * I // 2 : (r + 1) * I // 2].reshape(E, H, I) for r in range(2)]
+        for r, part in enumerate(parts):
+            assert torch.equal(part[f"{x}.gate_up_proj"], halves[r]), (layer, r)
+            assert torch.equal(part[f"{x}.down_proj"], down[:, r * I // 2 : (r + 1) * I // 2]), (layer, r)
+            assert torch.equal(part[f"{x}.down_proj_bias"], full[f"{x}.down_proj_bias"])
+            bias = full[f"{x}.gate_up_proj_bias"].view(E, I, 2)[:, r * I // 2 : (r + 1) * I // 2].reshape(E, I)
+            assert torch.equal(part[f"{x}.gate_up_proj_bias"], bias)
+            assert torch.equal(part[f"model.layers.{layer}.mlp.router.weight"], full[f"model.layers.{layer}.mlp.router.weight"])
+            heads = cfg.num_heads // 2
+            assert torch.equal(part[f"model.layers.{layer}.self_attn.sinks"], full[f"model.layers.{layer}.self_attn.sinks"][r * heads : (r + 1) * heads])
+
+
+@pytest.mark.parametrize("fmt", ["trtllm", "engine", "hf"])
+def test_a_converted_gpt_oss_runs_lossless_and_equals_transformers(lossless_setup, tmp_path, fmt):
+    """fp32, tp 1: the converted target (and the drafter) read back to exactly the source weights, and the DFlash loop on
+    the converted checkpoint emits transformers' greedy tokens."""
+    from dflash_trt.loading import checkpoint_parts, load_torch_backend
+
+    target_dir, drafter_dir, prompts, refs, target = lossless_setup
+    out = tmp_path / fmt
+    convert(target_dir, drafter_dir, out, dtype="fp32", fmt=fmt, **QUIET)
+    backend = load_torch_backend(*checkpoint_parts(out), block_size=8)
+    for (name, a), b in zip(backend.target.state_dict().items(), target.state_dict().values()):
+        assert torch.equal(a, b), name
+    outs = Generator(backend, max_batch=3).generate(prompts, SamplingParams(max_new_tokens=24))
+    assert [o.output_ids for o in outs] == refs

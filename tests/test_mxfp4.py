@@ -124,3 +124,41 @@ def test_a_damaged_mxfp4_pair_is_one_checkpoint_error_naming_the_tensor(tmp_path
     with pytest.raises(CheckpointError) as e:
         load_target(released)
     assert e.value.key.startswith(name) and str(file.name) in str(e.value)
+
+
+@pytest.mark.parametrize("quant", ["none", "nvfp4"])
+def test_a_released_layout_target_converts_and_its_nvfp4_experts_are_modelopts_mxfp4_cast(tmp_path, quant):
+    """MXFP4 in, TensorRT-LLM out (issue 19 item 2). none: the checkpoint reads back to the dequantized twin exactly.
+    nvfp4: each layer's experts are byte for byte what ModelOpt's `quantize_mxfp4_to_nvfp4` makes of the released
+    blocks + scales (global scale from the tensor's amax, FP8 block scales, packed E2M1), rows in TensorRT-LLM's fc
+    order (per expert: up rows, then gate rows; the released rows interleave gate, up)."""
+    from safetensors import safe_open
+
+    from dflash_trt.checkpoint_formats import read_rank
+    from dflash_trt.convert import convert
+
+    export = pytest.importorskip("modelopt.torch.export.shard_cast_utils")
+    released, twin = write_released_layout(tmp_path, seed=7)
+    drafter_dir = write_drafter(tmp_path / "drafter", twin, num_layers=1, block_size=8, seed=8, target_layer_ids=[2])
+    out = tmp_path / "out"
+    convert(released, drafter_dir, out, dtype="fp32", quant=quant, calib_prompts=[[5, 9, 14, 3, 77, 41]], calib_max_new_tokens=4,
+            progress=False, log=lambda *_: None)
+    if quant == "none":
+        got = read_rank(out / "target", 0, torch.float32)[1]
+        for name, want in load_target(twin).state_dict().items():
+            assert torch.equal(got[name], want), name
+        return
+    stored = load_file(str(next(released.glob("*.safetensors"))))
+    with safe_open(out / "target" / "rank0.safetensors", "pt") as f:
+        for layer in range(4):
+            for ours, theirs in (("fc", "gate_up_proj"), ("proj", "down_proj")):
+                x = f"model.layers.{layer}.mlp.experts.{theirs}"
+                blocks = stored[x + "_blocks"].flatten(-2)  # ModelOpt takes the bytes of a row as one axis
+                packed, block, scale_2, _ = export.quantize_mxfp4_to_nvfp4(blocks, stored[x + "_scales"], None, "cpu")
+                block = block.view(torch.uint8)
+                if ours == "fc":  # released rows: gate, up, gate, up ...; TensorRT-LLM's fc: up rows, then gate rows
+                    packed, block = (torch.cat([t[:, 1::2], t[:, 0::2]], dim=1) for t in (packed, block))
+                o = f"transformer.layers.{layer}.mlp.{ours}"
+                assert torch.equal(f.get_tensor(o + ".weight"), packed.view(torch.uint8)), o
+                assert torch.equal(f.get_tensor(o + ".weights_scaling_factor").view(torch.uint8), block), o
+                assert torch.equal(f.get_tensor(o + ".weights_scaling_factor_2").reshape(()), scale_2.float().reshape(())), o

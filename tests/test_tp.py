@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import write_drafter, write_target, write_tokenizer
 from safetensors.torch import load_file, save_file
+from test_gpt_oss import write_gpt_oss
 from tp_worker import OracleDrafts, RecordedDrafts
 
 from dflash_trt.cli import main
@@ -48,6 +49,9 @@ MODELS = {
     # drafts from 48 of the 96 tokens (d2t), none of them in rank 2's vocab slice [48, 72) at tp 4
     "qwen3": dict(target=dict(arch="qwen3", seed=4, tie=True, num_key_value_heads=1), drafter=dict(num_key_value_heads=1),
                   draft_tokens=[t for t in range(96) if not 48 <= t < 72 and t % 3 != 1]),
+    # MoE (4 experts, top 2; each expert's intermediate 48 split 24 / 12 per rank), sinks split with their heads,
+    # biases everywhere, alternating sliding / full layers, yarn RoPE; 2 KV heads duplicated at tp 4
+    "gpt-oss": dict(target=dict(seed=7), writer=write_gpt_oss, drafter=dict(target_layer_ids=[1, 2])),
 }
 RUNS = ("sharded", "replicated", "mixed")  # per model and launch: oracle-drafted greedy (both drafter modes), sampled
 
@@ -89,7 +93,7 @@ def tp_models(tmp_path_factory):
     prompts = [torch.randint(5, 96, (n,), generator=gen).tolist() for n in (5, 11, 17)]
     models = {}
     for name, spec in MODELS.items():
-        target_dir = write_target(root / name / "target", **spec["target"])
+        target_dir = spec.get("writer", write_target)(root / name / "target", **spec["target"])
         write_tokenizer(target_dir, spec["target"].get("vocab_size", 96))
         draft_tokens = spec.get("draft_tokens")
         drafter_kwargs = dict(spec["drafter"], **({"draft_vocab_size": len(draft_tokens)} if draft_tokens else {}))
