@@ -209,7 +209,7 @@ def drafter_units(cfg: DrafterConfig, fmt: str = "trtllm", quantize: bool = Fals
 
 def source_rows_to_rank(unit: Unit, part: str, src_rows: int, cfg: TransformerConfig, tp: int, rank: int) -> list[shard_rules.RowMap]:
     if unit.split == "experts":
-        return shard_rules.expert_rows(part, unit.experts, src_rows // unit.experts, tp, rank)
+        return shard_rules.expert_rows(part, unit.experts, cfg.intermediate_size, tp, rank)
     if unit.split == "qkv":
         return shard_rules.qkv_rows(part, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp, rank)
     if unit.split == "column":
@@ -222,7 +222,9 @@ def source_rows_to_rank(unit: Unit, part: str, src_rows: int, cfg: TransformerCo
 def out_rows(unit: Unit, src_rows: int, cfg: TransformerConfig, tp: int) -> int:
     if unit.split == "qkv":
         return shard_rules.qkv_rows_per_rank(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
-    if unit.split in ("column", "experts"):
+    if unit.split == "experts":
+        return 2 * unit.experts * shard_rules.expert_width(cfg.intermediate_size, tp)
+    if unit.split == "column":
         return src_rows // tp
     if unit.split == "vocab":
         return shard_rules.pad_vocab_size(src_rows, tp) // tp
@@ -467,7 +469,8 @@ def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.f
             if act is not None:
                 out[f"{module}.{'gate_up_proj' if unit.split == 'experts' else 'down_proj'}.input_scale"] = act
             if len(stack) == 4:
-                out |= {f"{module}.{k}": v for k, v in experts_as_module(**stacks.pop(module), experts=unit.experts).items()}
+                real = cfg.intermediate_size // tp
+                out |= {f"{module}.{k}": v for k, v in experts_as_module(**stacks.pop(module), experts=unit.experts, real=real).items()}
             continue
         if unit.split == "qkv":
             q_rows = cfg.num_heads // tp * cfg.head_dim
@@ -816,20 +819,19 @@ class ExpertView:
         return torch.cat([rows for _, rows in self.row_chunks(name)])
 
 
-def experts_as_module(fc: torch.Tensor, fc_bias: torch.Tensor, proj: torch.Tensor, proj_bias: torch.Tensor, experts: int) -> dict[str, torch.Tensor]:
-    """A rank's TensorRT-LLM MoE tensors (fc [E·2I', H] with up then gate rows per expert, proj [E·H, I'], biases
-    [E·2I'] and [E·H], 2-D as read back) in the module's layout and names (models/moe.py `Experts`)."""
-    rows = fc.shape[0] // experts
-    fc, fc_bias = fc.reshape(experts, rows, -1), fc_bias.reshape(experts, rows)
-    half = rows // 2
-    gate_up = torch.empty_like(fc)
-    gate_up[:, 0::2], gate_up[:, 1::2] = fc[:, half:], fc[:, :half]
-    gate_up_bias = torch.empty_like(fc_bias)
-    gate_up_bias[:, 0::2], gate_up_bias[:, 1::2] = fc_bias[:, half:], fc_bias[:, :half]
+def experts_as_module(fc: torch.Tensor, fc_bias: torch.Tensor, proj: torch.Tensor, proj_bias: torch.Tensor, experts: int,
+                      real: int) -> dict[str, torch.Tensor]:
+    """A rank's TensorRT-LLM MoE tensors (fc [E·2W, H] with up then gate rows per expert, proj [E·H, W], biases [E·2W]
+    and [E·H], 2-D as read back; the first `real` of the W = expert_width columns real, the rest zero padding) in the
+    module's layout and names (models/moe.py `Experts`), padding dropped."""
+    width = fc.shape[0] // experts // 2
+    fc, fc_bias = fc.reshape(experts, 2, width, -1)[:, :, :real], fc_bias.reshape(experts, 2, width)[:, :, :real]
+    gate_up = torch.stack([fc[:, 1], fc[:, 0]], dim=2).reshape(experts, 2 * real, -1)  # rows gate, up, gate, up ...
+    gate_up_bias = torch.stack([fc_bias[:, 1], fc_bias[:, 0]], dim=2).reshape(experts, 2 * real)
     hidden = proj.shape[0] // experts
     return {
         "gate_up_proj": gate_up.transpose(1, 2).contiguous(),
-        "gate_up_proj_bias": gate_up_bias,
-        "down_proj": proj.reshape(experts, hidden, -1).transpose(1, 2).contiguous(),
+        "gate_up_proj_bias": gate_up_bias.contiguous(),
+        "down_proj": proj.reshape(experts, hidden, -1)[:, :, :real].transpose(1, 2).contiguous(),
         "down_proj_bias": proj_bias.reshape(experts, hidden),
     }

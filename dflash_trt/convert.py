@@ -220,8 +220,8 @@ class _ModelWriter:
             rows = sum(s[0] for s in shapes) if unit.split != "qkv" else None
             rows = out_rows(unit, shapes[0][0] if rows is None else rows, self.cfg, self.tp)
             rest = shapes[0][1:]
-            if unit.split == "row":
-                rest = (rest[0] // self.tp,)
+            if unit.split == "row":  # a rank's columns; an expert stack's padded to expert_width (shard_rules.py)
+                rest = (shard_rules.expert_width(self.cfg.intermediate_size, self.tp) if unit.experts else rest[0] // self.tp,)
             name = unit.out + ".weight" if unit.linear else unit.out
             src_dtype = self.ckpt.dtype(self._src(unit, unit.sources[0]))
             planned = self._scheme_of(unit).tensors(unit.out, rows, rest, src_dtype)
@@ -236,9 +236,14 @@ class _ModelWriter:
                 brows = rows if unit.split != "row" else shapes[0][0]
                 tensors[unit.out + ".bias"] = (self.dtype, (brows,))
                 planned[unit.out + ".bias"] = tensors[unit.out + ".bias"]
-            for n, (_, shape) in planned.items() if unit.experts else ():
+            # Expert rows beyond a rank's real width are zero padding, never written (the file starts zeroed).
+            real = sum(m.n for part in unit.parts for m in source_rows_to_rank(unit, part, 0, self.cfg, self.tp, rank)) \
+                if unit.split == "experts" else None
+            for n, (dt, shape) in planned.items() if unit.experts else ():
                 if shape and shape[0] in (rows, shapes[0][0]) and n.endswith((".weight", ".bias", f".{self.sn.weight}")):
                     stacked[n] = (unit.experts, shape[0] // unit.experts, *shape[1:])
+                    if real is not None:
+                        expected[n] = real * math.prod(shape[1:]) * dt.itemsize
         if self.kv_scheme is not None:
             for kv in self.kv_units:
                 tensors.update(self.kv_scheme.tensors(kv))
@@ -324,9 +329,14 @@ class _ModelWriter:
                 name = self._src(unit, src)
                 shape = self.ckpt.shape(name)
                 maps = [source_rows_to_rank(unit, part, shape[0], self.cfg, tp, r) for r in range(tp)]
+                columns = shape[1] if len(shape) > 1 else None
+                width = shard_rules.expert_width(self.cfg.intermediate_size, tp) if unit.experts and unit.split == "row" else None
                 for first, chunk, _ in self._chunks(name):
                     self.stats.bytes_read += chunk.numel() * chunk.element_size()
-                    self._write_chunk(writers, unit, scheme, out_w, maps, first, *scheme.encode(chunk), columns=shape[1] if len(shape) > 1 else None)
+                    if width is not None:  # each rank's slice of the experts' inputs, zero-padded to whole blocks
+                        chunk = torch.nn.functional.pad(chunk.view(chunk.shape[0], tp, -1), (0, width - columns // tp)).flatten(1)
+                    self._write_chunk(writers, unit, scheme, out_w, maps, first, *scheme.encode(chunk),
+                                      columns=columns if width is None else width * tp)
                     if progress is not None:
                         progress.update(chunk.numel() * chunk.element_size())
                 if unit.bias:
@@ -379,6 +389,7 @@ def _check_tp(cfg: TransformerConfig, tp: int, quant: str) -> None:
         num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
         intermediate_size=cfg.intermediate_size,
+        experts=bool(getattr(cfg, "num_experts", 0)),  # an expert stack's rank width is padded (shard_rules.expert_width)
         hidden_size=cfg.hidden_size,
         head_dim=cfg.head_dim,
         path=cfg.path,

@@ -64,8 +64,9 @@ def kv_head_ids(num_kv_heads: int, tp: int, rank: int) -> list[int]:
 
 
 def check_tp(tp: int, *, num_heads: int, num_kv_heads: int, intermediate_size: int, hidden_size: int, head_dim: int,
-             path: str | None = None, nvfp4: bool = False) -> None:
-    """Raise ConfigError (naming the config key) when `tp` cannot shard this transformer."""
+             path: str | None = None, nvfp4: bool = False, experts: bool = False) -> None:
+    """Raise ConfigError (naming the config key) when `tp` cannot shard this transformer. `experts`: the MLP is an
+    expert stack, whose per-rank width is padded to whole NVFP4 blocks (expert_width)."""
 
     def fail(key: str, msg: str):
         return ConfigError(f"tensor parallelism tp={tp}: {msg}", file=path, key=key)
@@ -81,7 +82,10 @@ def check_tp(tp: int, *, num_heads: int, num_kv_heads: int, intermediate_size: i
     if intermediate_size % tp:
         raise fail("intermediate_size", f"{intermediate_size} does not divide among {tp} ranks")
     if nvfp4:
-        for key, width in (("intermediate_size", intermediate_size // tp), ("num_attention_heads", num_heads * head_dim // tp)):
+        widths = [("num_attention_heads", num_heads * head_dim // tp)]
+        if not experts:  # an expert stack's rank width is padded instead
+            widths.insert(0, ("intermediate_size", intermediate_size // tp))
+        for key, width in widths:
             if width % NVFP4_BLOCK:
                 raise fail(key, f"a row-parallel NVFP4 shard's input width {width} is not a multiple of {NVFP4_BLOCK}")
         if hidden_size % NVFP4_BLOCK:
@@ -126,11 +130,23 @@ def col_slice(cols: int, tp: int, rank: int, unit: int = 1) -> slice:
     return slice(rank * n, (rank + 1) * n)
 
 
-def expert_rows(part: str, experts: int, rows_per_expert: int, tp: int, rank: int) -> list[RowMap]:
+EXPERT_ALIGN = NVFP4_BLOCK  # a rank's expert width is padded to a multiple of this (NVFP4 blocks never straddle ranks)
+
+
+def expert_width(intermediate: int, tp: int) -> int:
+    """Columns of the intermediate dimension each rank holds per expert: its I / tp real ones, padded with zeros to a
+    multiple of EXPERT_ALIGN. gpt-oss-120b's 2880 at tp 8 is 360 real + 8 zero columns per rank, where an NVFP4 block
+    of 16 would otherwise straddle two ranks. A zero gate/up row with zero bias gives (0 + 1) · 0 · σ(0) = 0 into a zero
+    down column: the padding is exact."""
+    if intermediate % tp:
+        raise ValueError(f"{intermediate} does not split into {tp} parts")
+    return -(-intermediate // (tp * EXPERT_ALIGN)) * EXPERT_ALIGN
+
+
+def expert_rows(part: str, experts: int, intermediate: int, tp: int, rank: int) -> list[RowMap]:
     """Where rows of the stacked up / gate projections (`part`; [experts · I, H] each, expert-major) go in rank
-    `rank`'s fused `fc` [experts, 2 · I / tp, H]: per expert, this rank's slice of I, up rows first, then gate."""
-    if rows_per_expert % tp:
-        raise ValueError(f"{rows_per_expert} rows per expert do not split into {tp} parts")
-    n = rows_per_expert // tp
-    offset = {"up": 0, "gate": n}[part]
-    return [RowMap(e * rows_per_expert + rank * n, e * 2 * n + offset, n) for e in range(experts)]
+    `rank`'s fused `fc` [experts, 2 · width, H]: per expert, this rank's I / tp rows, up first, then gate, each
+    padded to expert_width (the padding rows stay zero)."""
+    width, real = expert_width(intermediate, tp), intermediate // tp
+    offset = {"up": 0, "gate": width}[part]
+    return [RowMap(e * intermediate + rank * real, e * 2 * width + offset, real) for e in range(experts)]

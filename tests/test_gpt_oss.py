@@ -151,34 +151,42 @@ def test_gpt_oss_unsupported_paths_fail_with_config_errors(tmp_path, lossless_se
 QUIET = dict(progress=False, log=lambda *_: None)
 
 
-def _quantized_like_the_converter(w: torch.Tensor, quant: str) -> torch.Tensor:
-    """w [E, in, out] (the module's experts) through FP8 / NVFP4 with one scale for the whole stack, computed here
-    on the output-major rows directly (no fc / proj layout, no interleave): the independent reference."""
+def _quantized_like_the_converter(w: torch.Tensor, quant: str, columns: slice | None = None, width: int | None = None) -> torch.Tensor:
+    """w [E, in, out] (the module's experts) through FP8 / NVFP4 with one scale for the whole stack, computed here on
+    the output-major rows directly (no fc / proj layout, no interleave): the independent reference. `columns`: keep only
+    these inputs, zero-padded to `width` before quantizing (a rank's slice of a row-parallel stack), padding dropped."""
     from dflash_trt.quant import dequantize_fp8, dequantize_nvfp4, fp8_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 
     E, n_in, n_out = w.shape
     rows = w.transpose(1, 2).reshape(E * n_out, n_in)
     amax = float(rows.abs().max())
+    if columns is not None:
+        rows = torch.nn.functional.pad(rows[:, columns], (0, width - (columns.stop - columns.start)))
     if quant == "fp8":
         scale = fp8_scale(amax)
         back = dequantize_fp8(quantize_fp8(rows, scale), scale, torch.float32)
-    else:
+    elif quant == "nvfp4":
         gs = nvfp4_global_scale(amax)
         back = dequantize_nvfp4(*quantize_nvfp4(rows, gs), gs, torch.float32)
-    return back.reshape(E, n_out, n_in).transpose(1, 2)
+    else:
+        back = rows
+    if columns is not None:
+        back = back[:, : columns.stop - columns.start]
+    return back.reshape(E, n_out, -1).transpose(1, 2)
 
 
-@pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
-def test_gpt_oss_converts_to_trtllm_moe_layout_and_reads_back(lossless_setup, tmp_path, quant):
+@pytest.mark.parametrize("quant,intermediate", [("none", 48), ("fp8", 64), ("nvfp4", 48)])
+def test_gpt_oss_converts_to_trtllm_moe_layout_and_reads_back(lossless_setup, tmp_path, quant, intermediate):
     """tp 2: every expert's rows land where TensorRT-LLM's MoE layer reads them (fc = [up; gate] per expert, 3-D
     stacks), and the runtime reads the checkpoint back to the module's weights: exactly (none), or equal to the
-    dequantized FP8 / NVFP4 of the same weights computed independently."""
+    dequantized FP8 / NVFP4 of the same weights computed independently. I = 48 gives each rank 24 real columns
+    padded to 32 (whole NVFP4 blocks per rank, shard_rules.expert_width): the padding is stored as zeros."""
     from safetensors import safe_open
 
     from dflash_trt.checkpoint_formats import read_rank
 
     _, _, prompts, _, _ = lossless_setup
-    target_dir = write_gpt_oss(tmp_path / "target", seed=8, intermediate_size=64)  # NVFP4 at tp 2: I / 2 a multiple of 16
+    target_dir = write_gpt_oss(tmp_path / "target", seed=8, intermediate_size=intermediate)
     drafter_dir = write_drafter(tmp_path / "drafter", target_dir, num_layers=1, block_size=8, seed=9, target_layer_ids=[2])
     target = load_target(target_dir)
     out = tmp_path / "out"
@@ -188,32 +196,34 @@ def test_gpt_oss_converts_to_trtllm_moe_layout_and_reads_back(lossless_setup, tm
     assert raw["layer_types"] == list(target.cfg.layer_types) and raw["rotary_scaling"]["type"] == "yarn"
     cfg = target.cfg
     E, I, H = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
+    n, W = I // 2, 32  # real and padded columns per rank
     with safe_open(out / "target" / "rank1.safetensors", "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         stored_fc = f.get_tensor("transformer.layers.0.mlp.fc.weight")
+        stored_proj = f.get_tensor("transformer.layers.0.mlp.proj.weight")
     packed = 2 if quant == "nvfp4" else 1
-    assert shapes["transformer.layers.0.mlp.fc.weight"] == (E, 2 * I // 2, H // packed)
-    assert shapes["transformer.layers.0.mlp.proj.weight"] == (E, H, I // 2 // packed)
+    assert shapes["transformer.layers.0.mlp.fc.weight"] == (E, 2 * W, H // packed)
+    assert shapes["transformer.layers.0.mlp.proj.weight"] == (E, H, W // packed)
     assert shapes["transformer.layers.0.mlp.router.weight"] == (E, H) and shapes["transformer.layers.0.attention.sinks"] == (cfg.num_heads // 2,)
+    zero = torch.zeros((), dtype=stored_fc.dtype)
+    assert (stored_fc[:, n:W] == zero).all() and (stored_fc[:, W + n :] == zero).all() and (stored_proj[:, :, n // packed :] == zero).all()
     full = target.state_dict()
     if quant == "none":  # rank 1's fc rows of expert 3: up then gate, the second half of I, from the interleaved HF tensor
         gate_up = full["model.layers.0.mlp.experts.gate_up_proj"][3]  # [H, 2I]: gate = even columns
-        assert torch.equal(stored_fc[3, : I // 2], gate_up[:, 1::2][:, I // 2 :].T)
-        assert torch.equal(stored_fc[3, I // 2 :], gate_up[:, 0::2][:, I // 2 :].T)
+        assert torch.equal(stored_fc[3, :n], gate_up[:, 1::2][:, n:].T)
+        assert torch.equal(stored_fc[3, W : W + n], gate_up[:, 0::2][:, n:].T)
     parts = [read_rank(out / "target", r, torch.float32)[1] for r in range(2)]
     for layer in range(cfg.num_layers):
         x = f"model.layers.{layer}.mlp.experts"
-        gate_up = full[f"{x}.gate_up_proj"]
-        down = full[f"{x}.down_proj"]
-        if quant != "none":
-            gate_up, down = _quantized_like_the_converter(gate_up, quant), _quantized_like_the_converter(down, quant)
-        # rank r holds gate/up column pairs [r·I/2, (r+1)·I/2) and down rows likewise; biases and router as they are
-        halves = [gate_up.view(E, H, I, 2)[:, :, r * I // 2 : (r + 1) * I // 2].reshape(E, H, I) for r in range(2)]
+        gate_up = _quantized_like_the_converter(full[f"{x}.gate_up_proj"], quant)
+        # rank r holds gate/up column pairs [r·n, (r+1)·n) and down rows likewise; biases and router as they are
         for r, part in enumerate(parts):
-            assert torch.equal(part[f"{x}.gate_up_proj"], halves[r]), (layer, r)
-            assert torch.equal(part[f"{x}.down_proj"], down[:, r * I // 2 : (r + 1) * I // 2]), (layer, r)
+            cols = slice(r * n, (r + 1) * n)
+            assert torch.equal(part[f"{x}.gate_up_proj"], gate_up.view(E, H, I, 2)[:, :, cols].reshape(E, H, 2 * n)), (layer, r)
+            down = _quantized_like_the_converter(full[f"{x}.down_proj"], quant, cols, W)
+            assert torch.equal(part[f"{x}.down_proj"], down), (layer, r)
             assert torch.equal(part[f"{x}.down_proj_bias"], full[f"{x}.down_proj_bias"])
-            bias = full[f"{x}.gate_up_proj_bias"].view(E, I, 2)[:, r * I // 2 : (r + 1) * I // 2].reshape(E, I)
+            bias = full[f"{x}.gate_up_proj_bias"].view(E, I, 2)[:, cols].reshape(E, 2 * n)
             assert torch.equal(part[f"{x}.gate_up_proj_bias"], bias)
             assert torch.equal(part[f"model.layers.{layer}.mlp.router.weight"], full[f"model.layers.{layer}.mlp.router.weight"])
             heads = cfg.num_heads // 2
