@@ -19,10 +19,9 @@ from .errors import ConfigError
 from .trtllm_config import is_trtllm_config, trtllm_drafter_as_hf, trtllm_target_as_hf
 
 TARGET_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "GptOssForCausalLM": "gpt_oss"}
-# The families `dflash-trt convert` writes (trtllm_config.TRTLLM_TARGET_ARCHITECTURES names them). TensorRT-LLM 1.2.x's
+# `dflash-trt convert` writes all three (trtllm_config.TRTLLM_TARGET_ARCHITECTURES names them). TensorRT-LLM 1.2.x's
 # engine path (tensorrt_llm/models) has no gpt-oss model: its checkpoint is ours, on TensorRT-LLM's MoE names
 # (checkpoint_formats.py), for the one engine's own network (docs/engine-path.md).
-CONVERTIBLE_TARGET_FAMILIES = ("llama", "qwen3", "gpt_oss")
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 EAGLE_ARCHITECTURE = "DFlashTrtEagle3Drafter"  # our EAGLE-3-style baseline (models/eagle.py)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")

@@ -24,8 +24,6 @@ from .progress import progress_bar
 from . import shard_rules
 from .checkpoint import SafetensorsCheckpoint, atomic_directory, check_finite
 from .config import (
-    CONVERTIBLE_TARGET_FAMILIES,
-    TARGET_ARCHITECTURES,
     DrafterConfig,
     TargetConfig,
     TransformerConfig,
@@ -397,6 +395,28 @@ def _check_tp(cfg: TransformerConfig, tp: int, quant: str) -> None:
     )
 
 
+def check_conversion(target_dir: str | Path, drafter_dir: str | Path | None, *, fmt: str, quant: str, tp: int) -> tuple[TargetConfig, DrafterConfig | None]:
+    """Everything `convert` checks from the two config.json files alone (no weights read): the pair matches, tp shards
+    both, NVFP4 widths fit, and for the one engine (`fmt` "engine") the drafter's KV layout is the target's. What
+    `dflash-trt build --dry-run` runs on a deployment's models. Returns their configs."""
+    t_cfg = load_target_config(target_dir)
+    d_cfg: DrafterConfig | None = check_pair(t_cfg, load_drafter_config(drafter_dir)) if drafter_dir is not None else None
+    if fmt == "engine":  # one paged KV pool holds the target's layers and the drafter's (docs/engine-path.md)
+        for key, have, want in (("num_key_value_heads", d_cfg.num_kv_heads, t_cfg.num_kv_heads), ("head_dim", d_cfg.head_dim, t_cfg.head_dim)):
+            if have != want:
+                raise ConfigError(f"{have} != the target's {want} ({t_cfg.path}): the one engine's KV pool holds both models' layers",
+                                  file=d_cfg.path, key=key)
+    for cfg in (t_cfg, d_cfg):
+        if cfg is not None:
+            _check_tp(cfg, tp, quant)
+            if quant == "nvfp4" and cfg.hidden_size % BLOCK:
+                raise ConfigError(f"NVFP4 needs hidden_size to be a multiple of {BLOCK}", file=cfg.path, key="hidden_size")
+    if t_cfg.num_experts and fmt == "hf" and quant != "none":
+        raise ConfigError(f"a quantized-HF export of {t_cfg.architecture}'s fused experts is not written yet; use --format trtllm or engine "
+                          "(FP8 / NVFP4 experts), or --quant none", key="--quant")
+    return t_cfg, d_cfg
+
+
 def default_calibration_prompts(tokenizer, samples: int) -> list[list[int]]:
     """The shipped corpus: training-split prompts (code, chat, GSM), never the evaluation sets."""
     from .prompts import load_train_prompts
@@ -452,29 +472,8 @@ def convert(
     if out.exists() and not force:
         raise ConfigError("output directory already exists (pass --force to overwrite)", file=out)
     out_dtype = DTYPES[dtype]
-    t_cfg = load_target_config(target_dir)
-    if TARGET_ARCHITECTURES[t_cfg.architecture] not in CONVERTIBLE_TARGET_FAMILIES:
-        convertible = sorted(a for a, f in TARGET_ARCHITECTURES.items() if f in CONVERTIBLE_TARGET_FAMILIES)
-        raise ConfigError(
-            f"{t_cfg.architecture} is not yet supported by `dflash-trt convert` (supported: {convertible}); "
-            "TensorRT-LLM's engine path has no model for it; the torch reference runtime (`dflash-trt generate`) runs it",
-            file=t_cfg.path, key="architectures",
-        )
-    d_cfg: DrafterConfig | None = check_pair(t_cfg, load_drafter_config(drafter_dir)) if drafter_dir is not None else None
-    if engine:  # one paged KV pool holds the target's layers and the drafter's (docs/engine-path.md)
-        for key, have, want in (("num_key_value_heads", d_cfg.num_kv_heads, t_cfg.num_kv_heads), ("head_dim", d_cfg.head_dim, t_cfg.head_dim)):
-            if have != want:
-                raise ConfigError(f"{have} != the target's {want} ({t_cfg.path}): the one engine's KV pool holds both models' layers",
-                                  file=d_cfg.path, key=key)
-    for cfg in (t_cfg, d_cfg):
-        if cfg is not None:
-            _check_tp(cfg, tp, quant)
-            if quant == "nvfp4" and cfg.hidden_size % BLOCK:
-                raise ConfigError(f"NVFP4 needs hidden_size to be a multiple of {BLOCK}", file=cfg.path, key="hidden_size")
+    t_cfg, d_cfg = check_conversion(target_dir, drafter_dir, fmt="engine" if engine else fmt, quant=quant, tp=tp)
     experts = t_cfg.num_experts > 0
-    if experts and fmt == "hf" and quant != "none":
-        raise ConfigError(f"a quantized-HF export of {t_cfg.architecture}'s fused experts is not written yet; use --format trtllm or engine "
-                          "(FP8 / NVFP4 experts), or --quant none", key="--quant")
     t_ckpt = Mxfp4Source(target_dir) if is_mxfp4_checkpoint(target_dir) else SafetensorsCheckpoint(target_dir)
     with torch.device("meta"):
         t_model = TargetModel(t_cfg)

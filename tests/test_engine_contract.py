@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import write_drafter, write_target
+from test_gpt_oss import write_gpt_oss
 from scipy.stats import chisquare
 
 from dflash_trt.loading import load_drafter, load_target
@@ -43,6 +44,12 @@ def models(tmp_path_factory):
         target = load_target(t)
         out[arch] = (target, load_drafter(d, target.cfg))
         out[arch + "-dirs"] = (t, d)
+    # gpt-oss (issue 19 item 4): MoE, sinks, sliding windows and yarn inside the emulated engine; 2 KV heads of 16
+    t = write_gpt_oss(root / "gpt-oss", seed=23)
+    d = write_drafter(root / "gpt-oss-d", t, num_layers=2, block_size=6, seed=33, head_dim=16, target_layer_ids=[1, 2])
+    target = load_target(t)
+    out["gpt-oss"] = (target, load_drafter(d, target.cfg))
+    out["gpt-oss-dirs"] = (t, d)
     return out
 
 
@@ -110,7 +117,7 @@ def _assert_same_drafts(emu, ref_drafts, K) -> int:
     return compared
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt-oss"])
 @pytest.mark.parametrize("max_batch", [1, 3, 8])
 def test_emulated_engine_equals_the_reference_loop(models, arch, max_batch):
     target, drafter = models[arch]
@@ -124,7 +131,7 @@ def test_emulated_engine_equals_the_reference_loop(models, arch, max_batch):
     assert _assert_same_drafts(emu, ref_drafts, drafter.cfg.block_size - 1) >= 8
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt-oss"])
 @pytest.mark.parametrize("max_batch", [1, 3, 8])
 def test_emulated_engine_equals_the_reference_loop_with_long_acceptances_and_stops(models, arch, max_batch):
     """Oracle drafts (right for a random count) on both sides; EOS lands inside accepted blocks."""
@@ -149,7 +156,7 @@ def test_emulated_engine_equals_the_reference_loop_with_long_acceptances_and_sto
     assert _assert_same_drafts(emu, ref_drafts, K) >= 5
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt-oss"])
 def test_the_one_engine_checkpoint_drives_the_emulated_engine_like_the_reference(models, tmp_path, arch):
     """`convert --format engine` is what trtllm-build reads: both models loaded from it, and the KV pool sized as the
     C++ runtime sizes it from that config (num_hidden_layers + eagle_net_config.num_hidden_layers, gptJsonConfig.cpp

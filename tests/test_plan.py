@@ -204,3 +204,24 @@ def test_bad_plan_input_is_one_error_line_with_exit_2(argv, key, capsys):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and key in err
+
+
+def test_the_gpt_oss_120b_preset_is_what_the_released_configs_parse_to():
+    """The planner's gpt-oss-120b preset and `plan --target/--drafter` on the released configs (examples/configs, the
+    same files `build --dry-run` checks the deployment against) give one shape: the preset is not a second source."""
+    from dataclasses import replace
+
+    from dflash_trt.config import load_drafter_config, load_target_config
+    from dflash_trt.presets import MODELS, drafter_shape, target_shape
+
+    root = Path(__file__).parents[1] / "examples" / "configs"
+    target = load_target_config(root / "gpt-oss-120b")
+    drafter = load_drafter_config(root / "gpt-oss-120b-DFlash")
+
+    def same(shape):  # names differ; "all layers full" is () in a preset
+        return replace(shape, name="", windows=shape.windows if any(w is not None for w in shape.windows) else ())
+
+    preset = MODELS["gpt-oss-120b"]
+    assert same(target_shape(target)) == same(preset.target)
+    assert same(drafter_shape(drafter)) == same(preset.drafter)
+    assert drafter.block_size == preset.block_size

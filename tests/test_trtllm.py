@@ -161,11 +161,32 @@ def test_a_real_build_refuses_clearly_until_the_one_engine_network_exists(capsys
     assert "+ " not in captured.out
 
 
-def test_gpt_oss_config_validates_but_build_says_convert_lacks_it(capsys):
+RELEASED = Path(__file__).parents[1] / "examples" / "configs"
+
+
+def test_the_gpt_oss_120b_deployment_checks_against_the_released_configs(capsys, tmp_path):
+    """The headline deployment (gpt-oss-120b, NVFP4, tp 8, FP8 KV) passes every check the converter makes from configs
+    (each expert's 360 columns per rank are padded to whole NVFP4 blocks; one KV pool of 8 KV heads of 64), and the
+    commands it prints are the converter's and trtllm-build's. A max_draft_len beyond the drafter's block is refused."""
     path = next(p for p in CONFIGS if p.stem.startswith("gpt-oss"))
-    assert build_config.load_build_config(path).tp == 8
-    assert cli.main(["build", "--config", str(path), "--dry-run"]) == 2
-    assert "GptOssForCausalLM is not yet supported by `dflash-trt convert`" in capsys.readouterr().err
+    dirs = ["--target-dir", str(RELEASED / "gpt-oss-120b"), "--drafter-dir", str(RELEASED / "gpt-oss-120b-DFlash")]
+    assert cli.main(["build", "--config", str(path), "--dry-run", "--out", "OUT", *dirs]) == 0
+    out = capsys.readouterr().out
+    assert "# checked against" in out and "one KV pool of 36 + 8 layers, 9 drafts per step" in out
+    conv = next(l[2:].split() for l in out.splitlines() if l.startswith("+ dflash-trt convert"))
+    parser = argparse.ArgumentParser()
+    convert.register_cli(parser.add_subparsers(dest="c"))
+    args = parser.parse_args(conv[1:])
+    assert (args.quant, args.tp, args.format, args.kv_cache_quant, args.target) == ("nvfp4", 8, "engine", "fp8", dirs[1])
+    raw = yaml.safe_load(path.read_text())
+    raw["speculative_config"]["max_draft_len"] = 15
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    assert cli.main(["build", "--config", str(bad), "--dry-run", *dirs]) == 2
+    assert f"{bad}: speculative_config.max_draft_len: 15 > the drafter's block_size - 1 = 9" in capsys.readouterr().err
+    # without the models' configs the dry run says what it could not check
+    assert cli.main(["build", "--config", str(path), "--dry-run", "--target-dir", str(tmp_path / "absent")]) == 0
+    assert "# not checked against the models: no config.json in" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None, reason="tensorrt_rtx not installed (pip install tensorrt-rtx)")

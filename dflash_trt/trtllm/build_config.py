@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import CONVERTIBLE_TARGET_FAMILIES, TARGET_ARCHITECTURES
+from ..config import TARGET_ARCHITECTURES
 from ..errors import ConfigError, DFlashError
 
-KNOWN_ARCHITECTURES = {a: "converter" if f in CONVERTIBLE_TARGET_FAMILIES else "planned" for a, f in TARGET_ARCHITECTURES.items()}
 QUANTS = ("none", "fp8", "nvfp4")
 DTYPES = ("bf16", "fp16")
 TP_SIZES = (1, 2, 4, 8)
@@ -106,7 +105,7 @@ def load_build_config(path: str | Path) -> BuildConfig:
         path=path,
         name=_get(raw, "name", path, str),
         target_model=_get(raw, "target.model", path, str),
-        target_architecture=_one_of(_get(raw, "target.architecture", path, str), KNOWN_ARCHITECTURES, path, "target.architecture"),
+        target_architecture=_one_of(_get(raw, "target.architecture", path, str), TARGET_ARCHITECTURES, path, "target.architecture"),
         drafter_model=_get(raw, f"{spec}.speculative_model", path, str),
         max_draft_len=max_draft_len,
         dtype=_one_of(_get(raw, "convert.dtype", path, str, "bf16"), DTYPES, path, "convert.dtype"),
@@ -131,12 +130,6 @@ def _flag_args(flags: dict[str, Any]) -> list[str]:
 def build_commands(cfg: BuildConfig, out: str | None = None, plugin_lib: str | None = None) -> list[list[str]]:
     """convert to the one-engine checkpoint, then trtllm-build (through our registering wrapper) of the one
     engine on EAGLE's contract: `--speculative_decoding_mode eagle`, `--max_draft_len K` (docs/engine-path.md)."""
-    if KNOWN_ARCHITECTURES[cfg.target_architecture] != "converter":
-        raise ConfigError(
-            f"architecture {cfg.target_architecture} is not yet supported by `dflash-trt convert` "
-            f"(supported: {sorted(a for a, s in KNOWN_ARCHITECTURES.items() if s == 'converter')}); this config is valid, its build is not possible yet",
-            file=cfg.path, key="target.architecture",
-        )
     root = Path(out or cfg.output_dir)
     ckpt, engine = root / "checkpoint", root / "engine"
     convert = [
@@ -157,15 +150,39 @@ class EngineBuildUnavailable(DFlashError):
     """The one-engine build (DFlashForCausalLM on the EAGLE contract) does not exist yet."""
 
 
+def check_models(cfg: BuildConfig) -> list[str]:
+    """What the dry run can check before anything is converted: when the deployment's model directories hold their
+    config.json, everything the converter checks from configs alone (convert.check_conversion: pair, tp, NVFP4 widths,
+    one KV pool), that the target is the architecture the config names, and max_draft_len <= the drafter's
+    block_size - 1. Returns the lines to print; raises ConfigError (naming the build config's key) on a mismatch."""
+    from ..convert import check_conversion
+
+    missing = [d for d in (cfg.target_model, cfg.drafter_model) if not (Path(d) / "config.json").is_file()]
+    if missing:
+        return [f"# not checked against the models: no config.json in {', '.join(missing)}"]
+    t_cfg, d_cfg = check_conversion(cfg.target_model, cfg.drafter_model, fmt="engine", quant=cfg.quant, tp=cfg.tp)
+    if t_cfg.architecture != cfg.target_architecture:
+        raise ConfigError(f"{cfg.target_model} is a {t_cfg.architecture}, not a {cfg.target_architecture}", file=cfg.path, key="target.architecture")
+    if cfg.max_draft_len > d_cfg.block_size - 1:
+        raise ConfigError(f"{cfg.max_draft_len} > the drafter's block_size - 1 = {d_cfg.block_size - 1} ({d_cfg.path})", file=cfg.path,
+                          key="speculative_config.max_draft_len")
+    return [f"# checked against {cfg.target_model} and {cfg.drafter_model}: {t_cfg.architecture}, tp {cfg.tp}, {cfg.quant}, "
+            f"one KV pool of {t_cfg.num_layers} + {d_cfg.num_layers} layers, {cfg.max_draft_len} drafts per step"]
+
+
 def cmd_build(args) -> int:
     cfg = load_build_config(args.config)
+    cfg = replace(cfg, target_model=args.target_dir or cfg.target_model, drafter_model=args.drafter_dir or cfg.drafter_model)
     commands = build_commands(cfg, args.out, args.plugin_lib)
+    checked = check_models(cfg)
     if not args.dry_run:
         raise EngineBuildUnavailable(
             "the one-engine build on TensorRT-LLM 1.2.1's EAGLE contract has its checkpoint (`convert --format engine`) but not yet "
             "its DFlashForCausalLM network (docs/engine-path.md: Status). --dry-run prints its commands"
         )
     print("# the one-engine build (docs/engine-path.md); its flags are checked against trtllm-build's, its network is not written yet", flush=True)
+    for line in checked:
+        print(line, flush=True)
     for command in commands:
         print("+ " + shlex.join(command), flush=True)
     return 0
@@ -177,6 +194,8 @@ def register_cli(sub) -> None:
     b = sub.add_parser("build", formatter_class=HELP_FORMAT, help="convert + trtllm-build a deployment from a build config (build_configs/*.yaml)")
     b.add_argument("--config", required=True, help="build config YAML")
     b.add_argument("--out", help="output root (default: the config's output_dir): checkpoint/ and engine/")
+    b.add_argument("--target-dir", help="the target's directory, instead of the config's target.model")
+    b.add_argument("--drafter-dir", help="the drafter's directory, instead of the config's speculative_config.speculative_model")
     b.add_argument("--plugin-lib", help="libdflash_plugins.so, loaded into trtllm-build before the drafter is built")
     b.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     b.set_defaults(func=cmd_build)
