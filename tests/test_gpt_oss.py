@@ -244,3 +244,23 @@ def test_a_converted_gpt_oss_runs_lossless_and_equals_transformers(lossless_setu
         assert torch.equal(a, b), name
     outs = Generator(backend, max_batch=3).generate(prompts, SamplingParams(max_new_tokens=24))
     assert [o.output_ids for o in outs] == refs
+
+
+def test_bench_on_a_random_gpt_oss_reports_dflash_equal_to_plain_decoding(tmp_path):
+    """`dflash-trt bench` end to end on a gpt-oss pair (correctness only: random weights, fp32): every DFlash output
+    equals AR's, with the same token counts (issue 19 item 5)."""
+    from conftest import write_tokenizer
+
+    from dflash_trt.cli import main
+
+    target_dir = write_gpt_oss(tmp_path / "target", seed=11)
+    write_tokenizer(target_dir, TINY_GPT_OSS["vocab_size"])
+    drafter_dir = write_drafter(tmp_path / "drafter", target_dir, num_layers=1, block_size=6, seed=12, target_layer_ids=[2])
+    out = tmp_path / "bench"
+    assert main(["bench", "--target", str(target_dir), "--drafter", str(drafter_dir), "--domains", "code,math", "--num-prompts", "2",
+                 "--max-new-tokens", "12", "--concurrency", "", "--draft-length", "fixed", "--threads", "1", "--out", str(out), "--quiet"]) == 0
+    results = json.loads((out / "bench.json").read_text())
+    for domain in ("code", "math"):
+        row = results["domains"][domain]
+        assert row["dflash"]["equal_to_ar"] == row["dflash"]["requests"] == 2
+        assert row["dflash"]["output_tokens"] == row["ar"]["output_tokens"]
