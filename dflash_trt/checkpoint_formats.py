@@ -454,7 +454,9 @@ def read_rank(directory: str | Path, rank: int = 0, dtype: torch.dtype = torch.f
             out[unit.sources[0]] = t.to(dtype) if t.is_floating_point() else t
             continue
         w = rows(get(unit.out + ".weight"), unit)
-        if unit.quantized and quant == "fp8":
+        if unit.quantized and quant == "fp8" and unit.experts:  # one scale per expert, (E, 1)
+            w = dequantize_fp8(w.view(unit.experts, -1, w.shape[-1]), get(f"{unit.out}.{names.weight}").view(-1, 1, 1), dtype).flatten(0, 1)
+        elif unit.quantized and quant == "fp8":
             w = dequantize_fp8(w, get(f"{unit.out}.{names.weight}"), dtype)
         elif unit.quantized and quant == "nvfp4":
             w = dequantize_nvfp4(w, rows(get(f"{unit.out}.{names.weight}"), unit), get(f"{unit.out}.{names.weight_2}"), dtype)

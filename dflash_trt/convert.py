@@ -225,6 +225,9 @@ class _ModelWriter:
             planned = self._scheme_of(unit).tensors(unit.out, rows, rest, src_dtype)
             if not unit.linear:  # a norm or an embedding is stored under its own name, not name.weight
                 planned = {name: planned.pop(unit.out + ".weight")}
+            per_expert = self._per_expert_scale(unit)
+            if per_expert:
+                planned[per_expert] = (planned[per_expert][0], (unit.experts, 1))
             tensors.update(planned)
             if unit.split == "vocab":
                 real = sum(m.n for m in source_rows_to_rank(unit, "", shapes[0][0], self.cfg, self.tp, rank))
@@ -248,6 +251,13 @@ class _ModelWriter:
         return tensors, expected, stacked
 
     # -- scales ------------------------------------------------------------------------------------
+
+    def _per_expert_scale(self, unit: Unit) -> str | None:
+        """The FP8 weight scale of an expert stack, which TensorRT-LLM's MoE layer holds per expert, shape (E, 1)
+        (tensorrt_llm/layers/moe.py `MOEWeightWrapper`); ours is one value for the stack, repeated."""
+        if unit.experts and self.fmt == "trtllm" and isinstance(self._scheme_of(unit), Fp8):
+            return f"{unit.out}.{self.sn.weight}"
+        return None
 
     def bytes_to_read(self) -> int:
         """What `write` reads in row chunks (the progress bar's total): every source of every unit, as read."""
@@ -321,6 +331,8 @@ class _ModelWriter:
             scheme = self._scheme_of(unit)
             if scheme is not self.plain:
                 for suffix, value in scheme.scales(self._weight_amax(unit, progress), self._act_amax(unit)).items():
+                    if f"{unit.out}.{suffix}" == self._per_expert_scale(unit):
+                        value = value.reshape(1, 1).expand(unit.experts, 1).contiguous()
                     for r in range(tp):
                         writers[r].write(f"{unit.out}.{suffix}", value)
             for part, src in zip(unit.parts, unit.sources):

@@ -205,6 +205,8 @@ def test_gpt_oss_converts_to_trtllm_moe_layout_and_reads_back(lossless_setup, tm
     assert shapes["transformer.layers.0.mlp.fc.weight"] == (E, 2 * W, H // packed)
     assert shapes["transformer.layers.0.mlp.proj.weight"] == (E, H, W // packed)
     assert shapes["transformer.layers.0.mlp.router.weight"] == (E, H) and shapes["transformer.layers.0.attention.sinks"] == (cfg.num_heads // 2,)
+    if quant == "fp8":  # per expert, as TensorRT-LLM's MoE layer holds it (MOEWeightWrapper)
+        assert shapes["transformer.layers.0.mlp.fc.weights_scaling_factor"] == (E, 1)
     zero = torch.zeros((), dtype=stored_fc.dtype)
     assert (stored_fc[:, n:W] == zero).all() and (stored_fc[:, W + n :] == zero).all() and (stored_proj[:, :, n // packed :] == zero).all()
     full = target.state_dict()
