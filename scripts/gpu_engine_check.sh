@@ -10,7 +10,9 @@
 #      trtllm-build reads), fp32;
 #   2. the engine contract's CPU emulation (TensorRT-LLM's Eagle runtime side + our engine's per-call function) on
 #      that checkpoint equals the reference runtime on it, token for token and draft for draft;
-#   3. `dflash-trt build --dry-run` of a shipped build config prints its convert and trtllm-build commands.
+#   3. `dflash-trt build --dry-run` of a shipped build config prints its convert and trtllm-build commands;
+#   4. steps 1 and 2 on a small random gpt-oss pair (scripts/tiny_gpt_oss.py: MoE, sinks, sliding windows, yarn);
+#   5. the gpt-oss-120b NVFP4 TP8 build config checked against the released configs (examples/configs/).
 # Steps that need a GPU: building DFlashForCausalLM on the EAGLE contract and serving it with the executor.
 # That network is not written yet (docs/engine-path.md, "Status"), so without --dry-run this script stops there
 # with exit code 3 instead of pretending.
@@ -23,14 +25,23 @@ DRAFTER=examples/drafters/smollm2-dflash-b16
 
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-echo "== 1/3 the one-engine checkpoint of the shipped pair (convert --format engine, fp32)"
+echo "== 1/5 the one-engine checkpoint of the shipped pair (convert --format engine, fp32)"
 dflash-trt convert --target "$TARGET" --drafter "$DRAFTER" --out "$WORK/engine-ckpt" --format engine --dtype fp32 --quiet
 
-echo "== 2/3 engine contract emulation on that checkpoint vs the reference runtime (CPU)"
+echo "== 2/5 engine contract emulation on that checkpoint vs the reference runtime (CPU)"
 python -m dflash_trt.trtllm.emulation_check --checkpoint "$WORK/engine-ckpt"
 
-echo "== 3/3 dflash-trt build --dry-run (build_configs/qwen3-8b-fp8-tp1.yaml)"
+echo "== 3/5 dflash-trt build --dry-run (build_configs/qwen3-8b-fp8-tp1.yaml)"
 dflash-trt build --config build_configs/qwen3-8b-fp8-tp1.yaml --dry-run
+
+echo "== 4/5 a small random gpt-oss pair: one-engine checkpoint + contract emulation vs the reference runtime (CPU)"
+python scripts/tiny_gpt_oss.py --tokenizer "$TARGET" --out "$WORK/gpt-oss" >/dev/null
+dflash-trt convert --target "$WORK/gpt-oss/target" --drafter "$WORK/gpt-oss/drafter" --out "$WORK/gpt-oss-ckpt" --format engine --dtype fp32 --quiet
+python -m dflash_trt.trtllm.emulation_check --checkpoint "$WORK/gpt-oss-ckpt" --max-new-tokens 24
+
+echo "== 5/5 dflash-trt build --dry-run (build_configs/gpt-oss-120b-nvfp4-tp8.yaml against examples/configs/)"
+dflash-trt build --config build_configs/gpt-oss-120b-nvfp4-tp8.yaml --dry-run \
+    --target-dir examples/configs/gpt-oss-120b --drafter-dir examples/configs/gpt-oss-120b-DFlash
 
 if [ "$DRY_RUN" = 1 ]; then
     echo "dry run: every CPU step passed"
