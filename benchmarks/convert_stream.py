@@ -1,4 +1,4 @@
-"""Converter streaming benchmark (not a test): a synthetic Llama checkpoint of >= 4 GB, converted in each
+"""Converter streaming benchmark (not a test): a synthetic Llama (or gpt-oss, MXFP4 experts) checkpoint, converted in each
 quant mode in a fresh process; prints peak RSS against the goal (2 x largest tensor + 1 GiB) and MB/s
 against two plain copies of the same file measured in the same run: in the kernel (sendfile) and through
 user space (read + write), since a converter must bring every byte into user space.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -65,6 +66,64 @@ def make_checkpoint(directory: Path, layers: int) -> int:
     return (directory / "model.safetensors").stat().st_size
 
 
+GPT_OSS = dict(
+    architectures=["GptOssForCausalLM"], hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=32000, rms_norm_eps=1e-5, sliding_window=128,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                  "truncate": False},
+    rope_theta=150000.0, max_position_embeddings=131072, attention_bias=True, tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=2, torch_dtype="bfloat16", quantization_config={"quant_method": "mxfp4"},
+)
+
+
+def make_gpt_oss_checkpoint(directory: Path, layers: int) -> int:
+    """gpt-oss-20b's layer shapes (32 experts of 2880, 64 / 8 heads of 64) with a 32K vocabulary, experts in the released
+    MXFP4 layout (`*_blocks` + `*_scales`, random codes, e8m0 scales near 2^-6); written tensor by tensor."""
+    from dflash_trt.safetensors_io import SafetensorsWriter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = dict(GPT_OSS, num_hidden_layers=layers)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    H, I, E, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    shapes = {"model.embed_tokens.weight": (torch.bfloat16, (V, H)), "model.norm.weight": (torch.bfloat16, (H,)),
+              "lm_head.weight": (torch.bfloat16, (V, H))}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        a, m = f"{p}.self_attn", f"{p}.mlp"
+        shapes.update({f"{p}.input_layernorm.weight": (torch.bfloat16, (H,)), f"{p}.post_attention_layernorm.weight": (torch.bfloat16, (H,)),
+                       f"{a}.q_proj.weight": (torch.bfloat16, (q, H)), f"{a}.q_proj.bias": (torch.bfloat16, (q,)),
+                       f"{a}.k_proj.weight": (torch.bfloat16, (kv, H)), f"{a}.k_proj.bias": (torch.bfloat16, (kv,)),
+                       f"{a}.v_proj.weight": (torch.bfloat16, (kv, H)), f"{a}.v_proj.bias": (torch.bfloat16, (kv,)),
+                       f"{a}.o_proj.weight": (torch.bfloat16, (H, q)), f"{a}.o_proj.bias": (torch.bfloat16, (H,)),
+                       f"{a}.sinks": (torch.bfloat16, (cfg["num_attention_heads"],)),
+                       f"{m}.router.weight": (torch.bfloat16, (E, H)), f"{m}.router.bias": (torch.bfloat16, (E,)),
+                       f"{m}.experts.gate_up_proj_blocks": (torch.uint8, (E, 2 * I, H // 32, 16)),
+                       f"{m}.experts.gate_up_proj_scales": (torch.uint8, (E, 2 * I, H // 32)),
+                       f"{m}.experts.gate_up_proj_bias": (torch.bfloat16, (E, 2 * I)),
+                       f"{m}.experts.down_proj_blocks": (torch.uint8, (E, H, I // 32, 16)),
+                       f"{m}.experts.down_proj_scales": (torch.uint8, (E, H, I // 32)),
+                       f"{m}.experts.down_proj_bias": (torch.bfloat16, (E, H))})
+    writer = SafetensorsWriter(directory / "model.safetensors", dict(shapes))
+    gen = torch.Generator().manual_seed(0)
+    for name, (dtype, shape) in shapes.items():
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        step = max(1, (32 << 20) // (4 * row))
+        for a in range(0, shape[0], step):
+            n = min(shape[0], a + step) - a
+            if dtype == torch.uint8 and name.endswith("_scales"):
+                t = torch.randint(118, 124, (n, *shape[1:]), dtype=torch.uint8, generator=gen)
+            elif dtype == torch.uint8:
+                t = torch.randint(0, 256, (n, *shape[1:]), dtype=torch.uint8, generator=gen)
+            elif name.endswith("norm.weight"):
+                t = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
+            else:
+                t = (0.02 * torch.randn(n, *shape[1:], generator=gen)).to(dtype)
+            writer.write_rows(name, a, t)
+    writer.finish()
+    return (directory / "model.safetensors").stat().st_size
+
+
 def largest_tensor(directory: Path) -> int:
     from dflash_trt.safetensors_io import SafetensorsFile
 
@@ -79,8 +138,9 @@ def child(src: str, out: str, quant: str, tp: int, threads: int) -> None:
 
     torch.set_num_threads(threads)
     cfg = load_target_config(src)
+    linears = ("mlp.experts.up", "mlp.experts.gate", "mlp.experts.down") if cfg.num_experts else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     names = {f"model.layers.{i}.{m}": 4.0 for i in range(cfg.num_layers)
-             for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+             for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", *linears)}
     names.update({f"layers.{i}.{k}_cache": 8.0 for i in range(cfg.num_layers) for k in ("k", "v")})
     stats = convert(src, None, out, dtype="bf16", quant=quant, kv_cache_quant="fp8" if quant != "none" else "none", tp=tp,
                     amax={"target": names}, progress=False, log=lambda m: None)
@@ -91,7 +151,9 @@ def child(src: str, out: str, quant: str, tp: int, threads: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="/tmp/convert-bench")
-    ap.add_argument("--layers", type=int, default=9, help="9 layers of Llama-3-8B shape = 4.45 GB in bf16")
+    ap.add_argument("--arch", choices=("llama", "gpt-oss"), default="llama",
+                    help="llama: Llama-3-8B layers in bf16; gpt-oss: gpt-oss-20b layers, experts in MXFP4")
+    ap.add_argument("--layers", type=int, default=9, help="9 layers of Llama-3-8B shape = 4.45 GB in bf16; 8 of gpt-oss-20b = 3.9 GB")
     ap.add_argument("--modes", default="none,fp8,nvfp4")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -105,7 +167,7 @@ def main() -> None:
     src = work / "synthetic"
     if not (src / "model.safetensors").is_file():
         t = time.perf_counter()
-        size = make_checkpoint(src, args.layers)
+        size = (make_gpt_oss_checkpoint if args.arch == "gpt-oss" else make_checkpoint)(src, args.layers)
         print(f"synthetic checkpoint: {size / 1e9:.2f} GB in {time.perf_counter() - t:.0f}s", flush=True)
     size = (src / "model.safetensors").stat().st_size
     big = largest_tensor(src)
