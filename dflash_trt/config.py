@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .speculators_format import is_speculators_config, speculators_as_zlab
 from .trtllm_config import is_trtllm_config, trtllm_drafter_as_hf, trtllm_target_as_hf
 
 TARGET_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "GptOssForCausalLM": "gpt_oss"}
@@ -359,6 +360,8 @@ def load_drafter_config(directory: str | Path, architecture: str = DRAFTER_ARCHI
     path, raw = read_config_json(directory)
     if is_trtllm_config(raw):  # a converted checkpoint holds a DFlash drafter
         return parse_drafter_config(trtllm_drafter_as_hf(raw, path, DRAFTER_ARCHITECTURE), path)
+    if is_speculators_config(raw):  # vLLM's speculators format (speculators_format.py)
+        return parse_drafter_config(speculators_as_zlab(raw, path, DRAFTER_ARCHITECTURE), path)
     return parse_drafter_config(raw, path, architecture)
 
 
@@ -366,10 +369,14 @@ def parse_drafter_config(raw: dict[str, Any], path: str | Path, architecture: st
     """The same, from a dict (`path` names it in errors), e.g. a config a trainer is about to write."""
     path = Path(path)
     reader = _Reader(path, raw)
+    if raw.get("architectures") == [DFLASH2_ARCHITECTURE]:
+        raise reader.error("architectures", f"{DFLASH2_ARCHITECTURE} (z-lab's DFlash 2: {DFLASH2_WHAT}) is not supported; "
+                                            f"this runtime runs {DRAFTER_ARCHITECTURE} drafters")
     reader.architecture([architecture])
     dflash = raw.get("dflash_config", {}) or {}
     if not isinstance(dflash, dict):
         raise reader.error("dflash_config", f"expected an object, got {dflash!r}")
+    _refuse_zlab_extras(reader, dflash)
     fields = reader.transformer_fields(architecture, qk_norm=architecture == DRAFTER_ARCHITECTURE)
 
     # Older checkpoints put block_size at the top level, newer ones inside dflash_config.
@@ -413,6 +420,30 @@ def parse_drafter_config(raw: dict[str, Any], path: str | Path, architecture: st
         causal_override=causal,
         draft_vocab_size=reader.int("draft_vocab_size", None),
     )
+
+
+# z-lab's dflash 0.1.0 (dflash/model.py `_draft_value`) reads these from dflash_config, else from the top level.
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+DFLASH2_WHAT = "a grouped dynamic causal conv in every layer and a candidate selector choosing each draft from the previous one"
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def _refuse_zlab_extras(reader: _Reader, dflash: dict[str, Any]) -> None:
+    """z-lab's drafter options the runtime does not implement, refused by name. A positive `output_multiplier` and
+    `final_logit_softcapping` (tanh) keep every draft's argmax, so greedy drafts are unchanged: those load."""
+    def value(key: str) -> tuple[str, Any]:
+        return (f"dflash_config.{key}", dflash[key]) if key in dflash else (key, reader.raw.get(key))
+
+    for key in DFLASH2_KEYS:
+        name, v = value(key)
+        if v is not None:
+            raise reader.error(name, f"a DFlash 2 drafter ({DFLASH2_WHAT}) is not supported")
+    name, scale = value("input_embedding_scale")
+    if scale is not None and scale != 1:
+        raise reader.error(name, f"a scaled block embedding ({scale!r}) is not supported (only 1)")
+    name, multiplier = value("output_multiplier")
+    if multiplier is not None and not (isinstance(multiplier, (int, float)) and multiplier > 0):
+        raise reader.error(name, f"expected a positive number (a draft is the argmax of the scaled logits), got {multiplier!r}")
 
 
 def load_eagle_config(directory: str | Path) -> DrafterConfig:

@@ -32,7 +32,10 @@ from .config import (
     load_target_config,
 )
 from .errors import CheckpointError, ConfigError
-from .loading import DTYPES, check_d2t_ids, encode_prompt, load_tokenizer, load_torch_backend, read_prompts
+from .loading import (
+    DTYPES, SPECULATORS_ONLY_TENSORS, check_d2t_ids, encode_prompt, is_speculators_drafter, load_tokenizer, load_torch_backend,
+    read_prompts, speculators_source,
+)
 from .quant import fp8_scale, kv_cache_scale, nvfp4_activation_scale, nvfp4_global_scale, quantize_fp8, quantize_nvfp4
 from .quant.nvfp4 import BLOCK
 from .safetensors_io import SafetensorsWriter
@@ -59,6 +62,7 @@ FORMATS = {
     "trtllm": "TensorRT-LLM checkpoints OUT/target and OUT/drafter (config.json + rank{r}.safetensors each)",
     "engine": "one TensorRT-LLM checkpoint of both, DFlashForCausalLM, what `trtllm-build` reads for the one engine (docs/engine-path.md)",
     "hf": "HF names + hf_quant_config.json (ModelOpt's unified format: vLLM, TensorRT-LLM's PyTorch backend)",
+    "speculators": "the drafter alone in vLLM's speculators format (config.json + model.safetensors; `vllm serve` loads it)",
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -478,8 +482,11 @@ def convert(
     if engine and drafter_dir is None:
         raise ConfigError("the one-engine checkpoint holds the target and its DFlash drafter: pass --drafter", key="--drafter")
     fmt = "trtllm" if engine else fmt  # the engine checkpoint is the two TensorRT-LLM parts, merged
-    if fmt == "hf" and tp != 1:
-        raise ConfigError("the quantized-HF format is not sharded (frameworks shard it at load time); use --tp 1", key="--tp")
+    if fmt in ("hf", "speculators") and tp != 1:
+        raise ConfigError(f"the {fmt} format is not sharded (frameworks shard it at load time); use --tp 1", key="--tp")
+    if fmt == "speculators" and (drafter_dir is None or quant != "none" or kv_cache_quant != "none"):
+        raise ConfigError("--format speculators writes the drafter (pass --drafter), unquantized (--quant none, --kv-cache-quant none)",
+                          key="--drafter" if drafter_dir is None else "--quant")
     out = Path(out)
     if out.exists() and not force:
         raise ConfigError("output directory already exists (pass --force to overwrite)", file=out)
@@ -487,6 +494,8 @@ def convert(
     t_cfg, d_cfg = check_conversion(target_dir, drafter_dir, fmt="engine" if engine else fmt, quant=quant, tp=tp)
     experts = t_cfg.num_experts > 0
     t_ckpt = Mxfp4Source(target_dir) if is_mxfp4_checkpoint(target_dir) else SafetensorsCheckpoint(target_dir)
+    if fmt == "speculators":
+        return _write_speculators(t_cfg, d_cfg, t_ckpt, Path(target_dir), Path(drafter_dir), out, dtype, force)
     with torch.device("meta"):
         t_model = TargetModel(t_cfg)
         d_model = DFlashDrafter(d_cfg, len(d_cfg.target_layer_ids) * t_cfg.hidden_size) if d_cfg is not None else None
@@ -494,7 +503,11 @@ def convert(
     d_ckpt = None
     if d_cfg is not None:
         d_ckpt = SafetensorsCheckpoint(drafter_dir)
-        _check_sources(d_ckpt, _expected_tensors(d_model))
+        extras: set[str] = set()
+        if is_speculators_drafter(drafter_dir):  # its t2d / own lm_head checked, then not converted (the target's rows are used)
+            speculators_source(d_ckpt, t_cfg)
+            extras = set(SPECULATORS_ONLY_TENSORS)
+        _check_sources(d_ckpt, _expected_tensors(d_model), ignore=extras)
         if "d2t" in d_ckpt:
             check_d2t_ids(d_ckpt.get("d2t"), t_cfg.vocab_size, drafter_dir)
 
@@ -556,6 +569,45 @@ def convert(
             )
             + "\n"
         )
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _write_speculators(t_cfg: TargetConfig, d_cfg: DrafterConfig, t_ckpt: SafetensorsCheckpoint, target_dir: Path, drafter_dir: Path,
+                       out: Path, dtype: str, force: bool) -> ConvertStats:
+    """The drafter in vLLM's speculators format (speculators_format.py): its config.json as speculators' converter
+    writes it, z-lab's tensors as they are (in `dtype`), and for a reduced vocabulary the target's lm_head rows of the
+    draft tokens plus t2d. The target is not written: vLLM loads it from its own directory (the config names it)."""
+    from safetensors.torch import save_file as save_safetensors
+
+    from .checkpoint_formats import STR_DTYPES
+    from .models.drafter import DFlashDrafter
+    from .speculators_format import draft_vocab_tensors, zlab_as_speculators
+
+    stats = ConvertStats()
+    start = time.perf_counter()
+    d_ckpt = SafetensorsCheckpoint(drafter_dir)
+    if is_speculators_drafter(drafter_dir):
+        raise ConfigError("the drafter is in the speculators format already", file=drafter_dir / "config.json", key="speculators_model_type")
+    with torch.device("meta"):
+        expected = _expected_tensors(DFlashDrafter(d_cfg, len(d_cfg.target_layer_ids) * t_cfg.hidden_size))
+    _check_sources(d_ckpt, expected)
+    out_dtype = DTYPES[dtype]
+    tensors = {n: (t.to(out_dtype) if t.is_floating_point() else t) for n, t in ((n, d_ckpt.get(n)) for n in d_ckpt.keys())}
+    if "d2t" in tensors:
+        head = t_ckpt.get("model.embed_tokens.weight" if t_cfg.tie_word_embeddings else "lm_head.weight")
+        tensors["lm_head.weight"] = head[torch.arange(len(tensors["d2t"])) + tensors["d2t"]].to(out_dtype).contiguous()
+        tensors |= draft_vocab_tensors(tensors["d2t"], t_cfg.vocab_size)
+    zlab = json.loads((drafter_dir / "config.json").read_text())
+    target_raw = json.loads((target_dir / "config.json").read_text())
+    raw = zlab_as_speculators(zlab, list(d_cfg.target_layer_ids), t_cfg.vocab_size, d_cfg.draft_vocab_size, str(target_dir),
+                              target_raw.get("architectures", []), STR_DTYPES[out_dtype])
+    with atomic_directory(out, force=force) as tmp:
+        save_safetensors({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        stats.files = ["config.json", "model.safetensors"]
+    stats.bytes_written = (out / "model.safetensors").stat().st_size
+    stats.bytes_read = sum(d_ckpt.nbytes(n) for n in d_ckpt.keys())
     stats.seconds = time.perf_counter() - start
     return stats
 

@@ -346,6 +346,7 @@ def load_drafter(directory: str | Path, target_cfg, dtype: torch.dtype = torch.f
         model.fuse_context_projections()
         return model
     ckpt = SafetensorsCheckpoint(directory)
+    source = speculators_source(ckpt, target_cfg) if is_speculators_drafter(directory) else directory
     if "fc.weight" in ckpt and ckpt.shape("fc.weight") != (cfg.hidden_size, feature_width):
         raise CheckpointError(
             f"fc input width {ckpt.shape('fc.weight')[-1]} != len(target_layer_ids)={len(cfg.target_layer_ids)} "
@@ -353,10 +354,49 @@ def load_drafter(directory: str | Path, target_cfg, dtype: torch.dtype = torch.f
             file=ckpt.file_of("fc.weight"),
             key="fc.weight",
         )
-    model = load_module(lambda: DFlashDrafter(cfg, feature_width), directory, dtype, device)
+    model = load_module(lambda: DFlashDrafter(cfg, feature_width), source, dtype, device)
     check_d2t(model, target_cfg.vocab_size, directory)
     model.fuse_context_projections()
     return model
+
+
+def is_speculators_drafter(directory: str | Path) -> bool:
+    """A drafter in vLLM's speculators format (speculators_format.py)."""
+    from .speculators_format import is_speculators_config
+
+    try:
+        return is_speculators_config(json.loads((Path(directory) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+SPECULATORS_ONLY_TENSORS = ("t2d", "lm_head.weight")  # what a speculators drafter holds beyond z-lab's tensors
+
+
+def speculators_source(ckpt, target_cfg):
+    """A speculators drafter's tensors as the runtime takes them: its `t2d` and own `lm_head` (a reduced vocabulary)
+    checked against d2t and the target's lm_head rows (speculators_format.check_draft_head), then left out: the runtime
+    drafts from the target's rows. The target's lm_head is read from its Hugging Face directory (target_cfg.path)."""
+    from .checkpoint import InMemorySource, SafetensorsCheckpoint
+    from .speculators_format import check_draft_head
+
+    extras = {n: ckpt.get(n) for n in (*SPECULATORS_ONLY_TENSORS, "d2t") if n in ckpt}
+    head = None
+    if "lm_head.weight" in extras:
+        target_dir = Path(target_cfg.path).parent
+        if (target_dir / "config.json").is_file() and not _is_converted(target_dir):
+            t_ckpt = SafetensorsCheckpoint(target_dir)
+            name = "model.embed_tokens.weight" if target_cfg.tie_word_embeddings else "lm_head.weight"
+            head = t_ckpt.get(name) if name in t_ckpt else None
+    check_draft_head(extras, head, ckpt.file_of("lm_head.weight") if "lm_head.weight" in ckpt else ckpt.directory / "config.json")
+    names = [n for n in ckpt.keys() if n not in SPECULATORS_ONLY_TENSORS]
+    return InMemorySource({n: ckpt.get(n) for n in names}, {n: ckpt.file_of(n) for n in names}, ckpt.directory)
+
+
+def _is_converted(directory: Path) -> bool:
+    from .checkpoint_formats import is_quantized_hf, is_trtllm_checkpoint
+
+    return is_trtllm_checkpoint(directory) or is_quantized_hf(directory)
 
 
 def load_eagle_drafter(directory: str | Path, target_cfg, dtype=torch.float32, device="cpu"):
