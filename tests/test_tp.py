@@ -20,6 +20,7 @@ import torch
 from conftest import write_drafter, write_target, write_tokenizer
 from safetensors.torch import load_file, save_file
 from test_gpt_oss import write_gpt_oss
+from test_mxfp4 import write_released_layout
 from tp_worker import OracleDrafts, RecordedDrafts
 
 from dflash_trt.cli import main
@@ -52,6 +53,9 @@ MODELS = {
     # MoE (4 experts, top 2; each expert's intermediate 48 split 24 / 12 per rank), sinks split with their heads,
     # biases everywhere, alternating sliding / full layers, yarn RoPE; 2 KV heads duplicated at tp 4
     "gpt-oss": dict(target=dict(seed=7), writer=write_gpt_oss, drafter=dict(target_layer_ids=[1, 2])),
+    # the released layout: MXFP4 experts (intermediate 64: 32 / 16 real columns per rank, padded to 32 / 16)
+    "gpt-oss-mxfp4": dict(target=dict(seed=9), writer=lambda path, seed: write_released_layout(path.parent, seed)[0],
+                          drafter=dict(target_layer_ids=[0, 3])),
 }
 RUNS = ("sharded", "replicated", "mixed")  # per model and launch: oracle-drafted greedy (both drafter modes), sampled
 
