@@ -9,6 +9,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["dflash_trt", "dflash_trt.*"]),
+    # the upstream snapshots the code reads at run time (a wheel, not only an editable install, needs them)
+    package_data={"dflash_trt": ["deploy_snapshot.json"], "dflash_trt.trtllm": ["api_snapshot.json"]},
     install_requires=[
         "torch>=2.5",  # enable_gqa in scaled_dot_product_attention
         "safetensors>=0.4",
@@ -28,6 +30,8 @@ setup(
         # fetch-models converts a GGUF checkpoint once, through transformers' GGUF loader;
         # the GSM-Symbolic prompt sets are reasoning-gym's generators; bench plots with matplotlib
         "fetch": ["gguf>=0.10", "accelerate", "reasoning-gym==0.1.25", "pyyaml", "matplotlib"],
+        # bench --peer llama.cpp (compiles llama.cpp on install: not in dev/CI); --peer transformers needs nothing more
+        "peers": ["llama-cpp-python==0.3.36", "diskcache"],
         # dev: the tests' oracles too: ModelOpt (TensorRT-LLM checkpoint format), Triton's own
         # model-config protobuf (tritonclient), the openai client against our server
         "dev": [

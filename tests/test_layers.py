@@ -131,7 +131,7 @@ def test_the_circle_finder_finds_a_circle_and_skips_type_checking_imports():
 # The layers, top to bottom, listed once (docs/architecture.md draws them). A module belongs to the layer of its
 # longest listed prefix; a package's modules go with it unless listed themselves.
 LAYERS = [
-    ("front ends", ["cli", "bench", "plan", "convert", "serve", "trtllm.build_config", "trtllm.engine_build", "trtllm.emulation_check"]),
+    ("front ends", ["cli", "bench", "peers", "plan", "convert", "deploy", "serve", "trtllm.build_config", "trtllm.engine_build", "trtllm.emulation_check"]),
     ("loading", ["loading", "quant.calibrate"]),
     ("runtime", ["runtime", "speculative", "torch_backend", "tp", "draft_length", "sampling", "trtllm.emulation", "trtllm.executor"]),
     ("models and kernels", ["models", "kernels", "kv_cache", "trtllm.model", "trtllm.network", "trtllm.plugin_library"]),

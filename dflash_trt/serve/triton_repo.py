@@ -44,21 +44,27 @@ def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def config_pbtxt(model_name: str, max_batch: int, parameters: dict[str, str]) -> str:
-    """The model's config.pbtxt (protobuf text format of Triton's ModelConfig)."""
-    lines = [f"name: {_quote(model_name)}", 'backend: "python"', f"max_batch_size: {max_batch}", "",
-             "model_transaction_policy {", "  decoupled: true", "}", "", "input ["]
-    for i, (name, dtype, dims, optional) in enumerate(INPUTS):
-        sep = "," if i < len(INPUTS) - 1 else ""
+def config_pbtxt(model_name: str, max_batch: int | None, parameters: dict[str, str], *, backend: str = "python",
+                 inputs: list[tuple] = INPUTS, outputs: list[tuple] = OUTPUTS, instance_kind: str | None = "KIND_CPU",
+                 decoupled: bool | None = True) -> str:
+    """A model's config.pbtxt (protobuf text format of Triton's ModelConfig). Inputs and outputs are (name, data type,
+    dims[, optional]); one instance of `instance_kind` (None: Triton's default group). `max_batch` / `decoupled` None:
+    not written (a backend that takes them from elsewhere, as the llmapi backend does from its model.yaml)."""
+
+    def tensor(name: str, dtype: str, dims: list[int], optional: bool = False) -> str:
         opt = "\n    optional: true" if optional else ""
-        lines.append(f"  {{\n    name: {_quote(name)}\n    data_type: {dtype}\n    dims: {dims}{opt}\n  }}{sep}")
-    lines += ["]", "output ["]
-    for i, (name, dtype, dims) in enumerate(OUTPUTS):
-        sep = "," if i < len(OUTPUTS) - 1 else ""
-        lines.append(f"  {{\n    name: {_quote(name)}\n    data_type: {dtype}\n    dims: {dims}\n  }}{sep}")
-    lines += ["]", ""]
-    # One instance: the engine thread inside it batches requests continuously (Triton's own batcher stays off).
-    lines += ["instance_group [", "  {", "    count: 1", "    kind: KIND_CPU", "  }", "]", ""]
+        return f"  {{\n    name: {_quote(name)}\n    data_type: {dtype}\n    dims: {list(dims)}{opt}\n  }}"
+
+    lines = [f"name: {_quote(model_name)}", f"backend: {_quote(backend)}"]
+    lines += [f"max_batch_size: {max_batch}", ""] if max_batch is not None else [""]
+    if decoupled is not None:
+        lines += ["model_transaction_policy {", f"  decoupled: {str(decoupled).lower()}", "}", ""]
+    for section, specs in (("input", inputs), ("output", outputs)):
+        lines += [f"{section} [", ",\n".join(tensor(*spec) for spec in specs), "]"]
+    lines.append("")
+    if instance_kind is not None:
+        # One instance: the engine inside it batches requests continuously (Triton's own batcher stays off).
+        lines += ["instance_group [", "  {", "    count: 1", f"    kind: {instance_kind}", "  }", "]", ""]
     for key, value in parameters.items():
         lines.append(f"parameters {{\n  key: {_quote(key)}\n  value: {{ string_value: {_quote(value)} }}\n}}")
     return "\n".join(lines) + "\n"
