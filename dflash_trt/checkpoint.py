@@ -217,8 +217,9 @@ def atomic_directory(dest: str | Path, force: bool = False) -> Iterator[Path]:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
-        for path in tmp.rglob("*"):
-            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+        for path in tmp.rglob("*"):  # directories and executables (a script written as one) keep their x bits
+            executable = path.is_dir() or path.stat().st_mode & 0o111
+            os.chmod(path, (0o777 if executable else 0o666) & ~umask)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)

@@ -207,6 +207,7 @@ def deploy(target: str | Path, drafter: str | Path, out: str | Path, *, backends
             d.mkdir()
             src = snap[backend]
             cite = f"{src.get('package') or src['repo'] + '@' + src['commit'][:12]}"
+            lines, intro = [], []  # serve.sh's lines before the framework's command; README text before the script
             if backend == "trtllm-pytorch":
                 (d / "config.yml").write_text(yaml.safe_dump({"speculative_config": trtllm_speculative_config(pair, zlab, draft_len)},
                                                              sort_keys=False))
@@ -229,25 +230,15 @@ def deploy(target: str | Path, drafter: str | Path, out: str | Path, *, backends
                 model_py = src["model_py"]
                 argv = ["tritonserver", "--model-repository", str(final / backend / "model_repository")]
                 lines = [f': "${{TRTLLM_SRC:?set TRTLLM_SRC to a TensorRT-LLM source tree of the release you run}}"',
-                         f'cp "$TRTLLM_SRC/{model_py}" {shlex.quote(str(final / backend / "model_repository" / "tensorrt_llm" / "1" / "model.py"))}',
-                         _command(argv)]
-                (d / "serve.sh").write_text(_script(lines))
-                (d / "serve.sh").chmod(0o755)
-                readme += [f"## {backend} ({cite})", "", f"`{backend}/model_repository/`: its `1/model.py` is TensorRT-LLM's own "
-                           f"(`{model_py}`); `serve.sh` copies it from `$TRTLLM_SRC` and starts Triton:", "", "```bash", *lines, "```", ""]
-                written[backend] = final / backend
-                continue
-            (d / "serve.sh").write_text(_script([_command(argv)]))
-            (d / "serve.sh").chmod(0o755)
-            readme += [f"## {backend} ({cite})", "", "```bash", _command(argv), "```", ""]
+                         f'cp "$TRTLLM_SRC/{model_py}" {shlex.quote(str(final / backend / "model_repository" / "tensorrt_llm" / "1" / "model.py"))}']
+                intro = [f"`{backend}/model_repository/`: its `1/model.py` is TensorRT-LLM's own (`{model_py}`); `serve.sh` "
+                         "copies it from `$TRTLLM_SRC` and starts Triton:", ""]
+            lines.append(_command(argv))
+            (d / "serve.sh").write_text(_script(lines))
+            (d / "serve.sh").chmod(0o755)  # atomic_directory keeps the x bits (within the umask)
+            readme += [f"## {backend} ({cite})", "", *intro, "```bash", *lines, "```", ""]
             written[backend] = final / backend
         (tmp / "README.md").write_text("\n".join(readme))
-    # atomic_directory resets every file to 0666 & ~umask on success: give the scripts back their execute bits
-    # (wherever they are readable).
-    for path in written.values():
-        script = path / "serve.sh"
-        mode = script.stat().st_mode
-        script.chmod(mode | (mode & 0o444) >> 2)
     return written
 
 
