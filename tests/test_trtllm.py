@@ -218,19 +218,19 @@ def test_engine_generator_without_tensorrt_llm_fails_clearly(tmp_path):
     assert issubclass(api.TensorRTUnavailable, cli.DFlashError)  # the CLI reports it in one line, exit 2
 
 
-def test_engine_path_refuses_what_its_contract_cannot_carry():
-    """The engine sees only eagle_temperature, and greedy_sampling is one flag per executor."""
+def test_engine_path_refuses_sampling_until_an_exact_accept_op_exists():
+    """Stock EAGLE acceptance at T > 0 is typical acceptance, not an exact sample of the target: the engine path
+    decodes greedily or not at all, and refuses a sampling executor before it loads anything."""
     from dflash_trt.sampling import RequestError, SamplingParams
-    from dflash_trt.trtllm.executor import check_params
+    from dflash_trt.trtllm.executor import EngineGenerator, check_params
 
-    check_params(SamplingParams(), sampling=False)
-    check_params(SamplingParams(temperature=0.7), sampling=True)
-    check_params(SamplingParams(top_p=0.5), sampling=False)  # greedy: top_p is moot
-    with pytest.raises(RequestError, match="sampling=True"):
-        check_params(SamplingParams(temperature=0.7), sampling=False)
-    for bad in (SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7, top_k=5)):
-        with pytest.raises(RequestError, match="top_k / top_p"):
-            check_params(bad, sampling=True)
+    check_params(SamplingParams())
+    check_params(SamplingParams(top_p=0.5, top_k=3))  # greedy: top_k / top_p are moot
+    for bad in (SamplingParams(temperature=0.7), SamplingParams(temperature=1e-3, top_p=0.9)):
+        with pytest.raises(RequestError, match="typical acceptance.*exact-rejection"):
+            check_params(bad)
+    with pytest.raises(RequestError, match="temperature > 0 is not available on the engine path"):
+        EngineGenerator("/nonexistent-engine", sampling=True)  # refused before tensorrt_llm or the engine is looked for
 
 
 def test_eagle_choices_of_a_chain_are_the_one_path_the_engine_proposes():
