@@ -16,6 +16,7 @@ import torch
 from .errors import ConfigError
 from .models.drafter import DFlashDrafter
 from .models.eagle import Eagle3Drafter
+from .models.layers import fuse_projections
 from .models.target import TargetModel
 from .speculative import Scores
 
@@ -29,10 +30,16 @@ class TorchBackend:
         page_size: int = 16,
         block_size: int | None = None,
         capture_layers: tuple[int, ...] | None = None,
+        fuse: bool = True,
     ):
         """`capture_layers` without a drafter keeps target features anyway (training-data extraction:
-        `pending_features` then holds them for every token in the target cache)."""
+        `pending_features` then holds them for every token in the target cache).
+        `fuse`: one q/k/v and one gate/up matmul per layer (layers.FusedLinear) in the target and the drafter;
+        False runs every projection apart, as the checkpoint names them."""
         self.target, self.drafter = target, drafter
+        for model in (target, drafter):
+            if model is not None:
+                fuse_projections(model, on=fuse)
         self.vocab_size = target.cfg.vocab_size
         self.page_size, self.num_pages = page_size, num_pages
         self.target_cache = target.new_cache(num_pages, page_size)

@@ -57,11 +57,15 @@ TARGETS = {
 }
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
 @pytest.mark.parametrize("name", list(TARGETS))
-def test_gpt_oss_logits_and_features_equal_transformers_batched_and_paged(tmp_path, name):
+def test_gpt_oss_logits_and_features_equal_transformers_batched_and_paged(tmp_path, name, fused):
+    from dflash_trt.models.layers import fuse_projections
+
     path = write_gpt_oss(tmp_path / name, seed=3, **TARGETS[name])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = load_target(path)
+    fuse_projections(ours, on=fused)  # q/k/v with biases in one matmul (the MoE experts are stacked already)
     gen = torch.Generator().manual_seed(0)
     # two sequences longer than the window, so the window and the sinks apply to cached keys as well as new ones
     seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 23, 14)]

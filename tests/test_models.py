@@ -10,6 +10,7 @@ from naive_dflash import naive_block_logits
 
 from dflash_trt.loading import load_drafter
 from dflash_trt.loading import load_target
+from dflash_trt.models.layers import fuse_projections
 
 TARGETS = {
     "llama-untied-gqa": dict(arch="llama"),
@@ -24,12 +25,14 @@ TARGETS = {
 }
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
 @pytest.mark.parametrize("name", list(TARGETS))
-def test_target_logits_and_features_equal_transformers_batched_and_paged(tmp_path, name):
+def test_target_logits_and_features_equal_transformers_batched_and_paged(tmp_path, name, fused):
     spec = dict(TARGETS[name])
     path = write_target(tmp_path / name, spec.pop("arch"), seed=3, **spec)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = load_target(path)
+    fuse_projections(ours, on=fused)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 19, 12)]
     # 3 is the last layer: HF's hidden_states[-1] is final-normed
@@ -47,12 +50,15 @@ DRAFTERS = {
 }
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
 @pytest.mark.parametrize("name", list(DRAFTERS))
-def test_drafter_block_logits_equal_naive_recompute(tmp_path, name):
+def test_drafter_block_logits_equal_naive_recompute(tmp_path, name, fused):
     target_dir = write_target(tmp_path / "t", "qwen3", seed=1)
     drafter_dir = write_drafter(tmp_path / name, target_dir, block_size=8, seed=2, **DRAFTERS[name])
     target = load_target(target_dir)
     drafter = load_drafter(drafter_dir, target.cfg)
+    fuse_projections(target, on=fused)
+    fuse_projections(drafter, on=fused)
     ids = drafter.cfg.target_layer_ids
     gen = torch.Generator().manual_seed(1)
     contexts = [torch.randint(0, 96, (n,), generator=gen) for n in (9, 14)]

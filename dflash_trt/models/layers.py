@@ -55,15 +55,77 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+class FusedLinear:
+    """Linears of one input (q/k/v, gate/up) run as one matmul: their weights become row blocks of one tensor.
+
+    Each nn.Linear keeps its Parameter, name and shape (state_dict, checkpoints and TP shard rules see no change);
+    only its storage moves into the concatenated weight, so a weight updated in place is updated in both.
+    `live(parent)` says whether the fused weight still is what the linears hold: it is not once a linear was
+    replaced (tp.apply_tp), re-cast (`.to(dtype)`) or given new storage, and then the caller runs them one by one.
+    Inference only: under autograd the fused tensor would carry no gradient to the Parameters, so `live` is
+    false while grad mode is on.
+    """
+
+    def __init__(self, parent: nn.Module, names: tuple[str, ...]):
+        linears = [getattr(parent, n) for n in names]
+        if any(type(m) is not nn.Linear for m in linears):
+            raise TypeError(f"FusedLinear fuses plain nn.Linear modules only, got {[type(m).__name__ for m in linears]}")
+        self.names, self.linears = names, linears
+        self.sizes = [m.out_features for m in linears]
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight for m in linears])
+            self.bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+        start = 0
+        for m, n in zip(linears, self.sizes):
+            m.weight.data = self.weight[start : start + n]
+            if self.bias is not None:
+                m.bias.data = self.bias[start : start + n]
+            start += n
+
+    def live(self, parent: nn.Module) -> bool:
+        if torch.is_grad_enabled():
+            return False
+        start = 0
+        for name, m, n in zip(self.names, self.linears, self.sizes):
+            if getattr(parent, name) is not m or m.weight.data_ptr() != self.weight[start].data_ptr():
+                return False
+            start += n
+        return True
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def fuse_projections(model: nn.Module, on: bool = True) -> bool:
+    """Fuse (or stop fusing) q/k/v and gate/up in every AttentionProjections / MLP of `model`.
+    Fusing again (after a re-cast or a new shard) re-concatenates from the linears' current weights.
+    Returns whether any of them was fused before (to restore it: quant/calibrate.py hooks the linears)."""
+    was = False
+    for module in model.modules():
+        if isinstance(module, (AttentionProjections, MLP)):
+            was = was or module._fused is not None
+            module.fuse(on)
+    return was
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self._fused: FusedLinear | None = None
+
+    def fuse(self, on: bool = True) -> None:
+        """One [gate|up] matmul per call (FusedLinear)."""
+        self._fused = FusedLinear(self, ("gate_proj", "up_proj")) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._fused is not None and self._fused.live(self):
+            gate, up = self._fused(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class AttentionProjections(nn.Module):
@@ -83,13 +145,22 @@ class AttentionProjections(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if sinks else None  # [nh] logits, see paged_attention
+        self._fused: FusedLinear | None = None
+
+    def fuse(self, on: bool = True) -> None:
+        """One [q|k|v] matmul per call (FusedLinear); o_proj stays apart (its input is the attention output)."""
+        self._fused = FusedLinear(self, ("q_proj", "k_proj", "v_proj")) if on else None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, hidden] → q [T, nh, hd], k and v [T, nkv, hd], normed and rotated."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self._fused is not None and self._fused.live(self):
+            q, k, v = self._fused(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

@@ -14,6 +14,7 @@ from collections import defaultdict
 from torch import nn
 from ..progress import progress_bar
 
+from ..models.layers import fuse_projections
 from ..models.moe import MoE
 from ..runtime import Generator
 from ..sampling import SamplingParams
@@ -33,6 +34,8 @@ def calibrate(backend, prompts: list[list[int]], max_new_tokens: int = 32, progr
         return hook
 
     models = [("target", backend.target)] + ([("drafter", backend.drafter)] if backend.drafter is not None else [])
+    # a fused q/k/v or gate/up matmul bypasses the linears' hooks: run them apart while calibrating
+    refuse = [model for _, model in models if fuse_projections(model, on=False)]
     for key, model in models:
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
@@ -75,5 +78,7 @@ def calibrate(backend, prompts: list[list[int]], max_new_tokens: int = 32, progr
     finally:
         for h in handles:
             h.remove()
+        for model in refuse:
+            fuse_projections(model, on=True)
     return {k: dict(v) for k, v in amax.items()}
 
