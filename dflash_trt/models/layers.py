@@ -61,7 +61,7 @@ class FusedLinear:
     Each nn.Linear keeps its Parameter, name and shape (state_dict, checkpoints and TP shard rules see no change);
     only its storage moves into the concatenated weight, so a weight updated in place is updated in both.
     `live(parent)` says whether the fused weight still is what the linears hold: it is not once a linear was
-    replaced (tp.apply_tp), re-cast (`.to(dtype)`) or given new storage, and then the caller runs them one by one.
+    replaced (tp.apply_tp), re-cast (`.to(dtype)`) or given new storage, and then a call runs them one by one.
     Inference only: under autograd the fused tensor would carry no gradient to the Parameters, so `live` is
     false while grad mode is on.
     """
@@ -81,19 +81,22 @@ class FusedLinear:
             if self.bias is not None:
                 m.bias.data = self.bias[start : start + n]
             start += n
+        self._ptrs = [self._storage(m) for m in linears]  # where each linear's weight (and bias) now live
+
+    @staticmethod
+    def _storage(m: nn.Linear) -> tuple[int, int | None]:
+        return m.weight.data_ptr(), None if m.bias is None else m.bias.data_ptr()
 
     def live(self, parent: nn.Module) -> bool:
         if torch.is_grad_enabled():
             return False
-        start = 0
-        for name, m, n in zip(self.names, self.linears, self.sizes):
-            if getattr(parent, name) is not m or m.weight.data_ptr() != self.weight[start].data_ptr():
-                return False
-            start += n
-        return True
+        return all(getattr(parent, name) is m and self._storage(m) == ptrs for name, m, ptrs in zip(self.names, self.linears, self._ptrs))
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+    def __call__(self, parent: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The linears' outputs for input x: one matmul while `live(parent)`, else each of parent's linears."""
+        if self.live(parent):
+            return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return tuple(getattr(parent, name)(x) for name in self.names)
 
 
 def fuse_projections(model: nn.Module, on: bool = True) -> bool:
@@ -121,10 +124,7 @@ class MLP(nn.Module):
         self._fused = FusedLinear(self, ("gate_proj", "up_proj")) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fused is not None and self._fused.live(self):
-            gate, up = self._fused(x)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self._fused(self, x) if self._fused is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -154,10 +154,7 @@ class AttentionProjections(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, hidden] → q [T, nh, hd], k and v [T, nkv, hd], normed and rotated."""
         T = x.shape[0]
-        if self._fused is not None and self._fused.live(self):
-            q, k, v = self._fused(x)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self._fused(self, x) if self._fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)

@@ -35,7 +35,7 @@ def calibrate(backend, prompts: list[list[int]], max_new_tokens: int = 32, progr
 
     models = [("target", backend.target)] + ([("drafter", backend.drafter)] if backend.drafter is not None else [])
     # a fused q/k/v or gate/up matmul bypasses the linears' hooks: run them apart while calibrating
-    refuse = [model for _, model in models if fuse_projections(model, on=False)]
+    fused_before = [model for _, model in models if fuse_projections(model, on=False)]
     for key, model in models:
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
@@ -78,7 +78,7 @@ def calibrate(backend, prompts: list[list[int]], max_new_tokens: int = 32, progr
     finally:
         for h in handles:
             h.remove()
-        for model in refuse:
+        for model in fused_before:
             fuse_projections(model, on=True)
     return {k: dict(v) for k, v in amax.items()}
 
