@@ -93,6 +93,82 @@ def flip_logit_gap(backend, prompt: list[int], reference: list[int], output: lis
     return float(logits[reference[i]] - logits[output[i]])
 
 
+STREAM_BYTES = 512 << 20  # the streaming-read buffer: far larger than any CPU's last-level cache
+FLOOR_CONTEXT = 200  # tokens in the KV cache when the floor probe times a step
+FLOOR_VERIFY = 16  # tokens of the verify step it times (a full DFlash block)
+
+
+def stream_bandwidth(nbytes: int = STREAM_BYTES, reps: int = 5) -> float:
+    """Bytes/s of a streaming read (a sum over an fp32 buffer of `nbytes`, best of `reps`) on the current threads."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    buf.sum()  # touch every page once before timing
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.nbytes / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one forward step of the target reads: every parameter once (storage shared by tied or
+    fused weights counted once), except an untied input embedding table, of which a step gathers a few rows
+    only. For a mixture of experts this counts every expert (a bound above what one token reads)."""
+    embed = model.model.embed_tokens.weight
+    skip = embed.data_ptr() if embed.data_ptr() != model.lm_head_weight.data_ptr() else None
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = (p.data_ptr(), p.nbytes)
+        if p.data_ptr() == skip or key in seen:
+            continue
+        seen.add(key)
+        total += p.nbytes
+    for packed in int8_weights(model):  # a 1-token step reads the packed copy instead of the dense weight
+        if packed.crossover >= 1:
+            total += packed.nbytes - packed.dense.nbytes
+    return total
+
+
+def int8_weights(model: torch.nn.Module) -> list:
+    """The models.packed.Int8Weight of every packed matmul of `model` (none unless --cpu-weights int8)."""
+    found = [model.lm_head_int8] if getattr(model, "lm_head_int8", None) is not None else []
+    for m in model.modules():
+        for packed in (getattr(getattr(m, "_fused", None), "int8", None), getattr(m, "int8", None)):
+            if packed is not None:
+                found.append(packed)
+    return found
+
+
+def floor_probe(backend, reps: int = 10) -> dict:
+    """How far the target's steps are from the memory floor on this machine: the streaming-read bandwidth, the
+    weight-read floor of one step (weight bytes / bandwidth), and the measured median of a 1-token step and a
+    FLOOR_VERIFY-token verify at FLOOR_CONTEXT tokens of context (`backend`: the target without a drafter)."""
+    from .draft_length import measure_step
+
+    context = FLOOR_CONTEXT
+    while context > 1 and backend.pages_needed(context + FLOOR_VERIFY + reps + 1) > backend.num_pages:
+        context //= 2  # a small KV pool (a short bench): a shorter context
+    bandwidth = stream_bandwidth()
+    nbytes = weight_bytes(backend.target)
+    step = measure_step(backend, 1, 0, context=context, reps=reps)
+    verify = measure_step(backend, 1, FLOOR_VERIFY - 1, context=context, reps=reps, random_drafts=True)
+    return floor_figures(bandwidth, nbytes, step, verify, context)
+
+
+def floor_figures(bandwidth: float, nbytes: int, step_s: float, verify_s: float, context: int) -> dict:
+    floor = nbytes / bandwidth
+    return {"bandwidth_gb_per_s": round(bandwidth / 1e9, 2), "weight_mb": round(nbytes / 1e6, 1), "floor_ms": round(floor * 1e3, 2),
+            "ar_step_ms": round(step_s * 1e3, 2), "verify_ms": round(verify_s * 1e3, 2), "verify_tokens": FLOOR_VERIFY,
+            "context": context, "ar_step_over_floor": round(step_s / floor, 2), "verify_over_ar_step": round(verify_s / step_s, 2)}
+
+
+def floor_line(f: dict) -> str:
+    return (f"Floor: streaming read {f['bandwidth_gb_per_s']:.1f} GB/s; the target reads {f['weight_mb']:.0f} MB of weights per "
+            f"step, so a step cannot take less than {f['floor_ms']:.1f} ms. Measured at {f['context']} tokens of context: a "
+            f"1-token step {f['ar_step_ms']:.1f} ms ({f['ar_step_over_floor']:.1f}× the floor), a {f['verify_tokens']}-token "
+            f"verify {f['verify_ms']:.1f} ms ({f['verify_over_ar_step']:.2f}× the 1-token step).")
+
+
 def run_bench(methods: list[Method], prompt_sets: dict[str, list[list[int]]], eos, max_new: int, concurrency: list[int], progress: bool = True) -> dict:
     """prompt_sets: domain → token id lists. The first method is the AR reference."""
     from .progress import progress_bar
@@ -184,7 +260,10 @@ def verdict(results: dict, methods: list[str], dtype: str) -> list[str]:
         equal = sum(row[m]["equal_to_ar"] for row in results["domains"].values())
         total = sum(row[m]["requests"] for row in results["domains"].values())
         gaps = [abs(g) for row in results["domains"].values() for g in row[m].get("flip_logit_gaps", [])]
-        if equal == total:
+        if m == "ar-dense":
+            lines.append(f"- `ar-dense` (plain decoding on the {dtype} weights before int8): {equal} of {total} greedy outputs equal "
+                         "the int8 target's; int8 changes the model, so every other method is compared with the int8 target as run.")
+        elif equal == total:
             lines.append(f"- `{m}`'s outputs equal AR's on all {total} prompts" + (" (fp32: exact, as the tests prove)." if dtype == "fp32" and m not in peers else "."))
         elif m in peers:
             lines.append(f"- `{m}` (another implementation): {equal} of {total} outputs equal AR's; where one differs first, the "
@@ -204,7 +283,8 @@ COLUMNS_EXPLAINED = [
     "= plain decoding when drafting cannot pay). Peers (`--peer`, batch 1 only): `hf-greedy` transformers' `generate` greedy "
     "in fp32 (the baseline of 'vs HF fp32 greedy'), `hf-pld` the same with prompt lookup decoding "
     f"(`prompt_lookup_num_tokens={PLD_TOKENS}`), `llama.cpp` llama-cpp-python greedy on the Q4_1 GGUF the target was "
-    "dequantized from.",
+    "dequantized from. With `--cpu-weights int8`: `ar-dense` plain decoding on the weights before int8 (its = AR output "
+    "is the greedy agreement of int8 with them).",
     "Columns: τ = tokens committed per target step (1.0 for AR); decode tok/s = output tokens after the first, over "
     "decode time, batch 1; speedup vs AR = decode tok/s over AR's on the same prompts; = AR output = requests whose text "
     "equals AR's exactly; flips: max logit gap (n) = for the n requests that differ from AR, the largest gap between "
@@ -255,7 +335,7 @@ def plot(results: dict, methods: list[str], path: Path) -> bool:
 
 
 def cmd_bench(args) -> int:
-    from .loading import DTYPES, check_dir, encode_prompt, generation_eos_ids, load_drafter, load_eagle_drafter, load_target, load_tokenizer
+    from .loading import DTYPES, check_dir, encode_prompt, generation_eos_ids, load_drafter, load_eagle_drafter, load_target, load_tokenizer, weights_label
     from .config import load_target_config
     from .kv_cache import pool_pages
     from .torch_backend import TorchBackend
@@ -275,38 +355,44 @@ def cmd_bench(args) -> int:
     prompt_sets = {d: [encode_prompt(tok, p.text, chat=True) for p in load_eval_prompts(d, limit=args.num_prompts)] for d in domains}
     longest = max(len(p) for ps in prompt_sets.values() for p in ps)
     pages = pool_pages(max(concurrency + [1]), longest + args.max_new_tokens, 16, args.block_size)
-    methods = [Method("ar", TorchBackend(target, None, num_pages=pages))]
+    weights = args.cpu_weights
+    methods = [Method("ar", TorchBackend(target, None, num_pages=pages, cpu_weights=weights))]
     if args.eagle:
         eagle = load_eagle_drafter(args.eagle, cfg, dtype=DTYPES[args.dtype])
-        methods.append(Method("eagle3", TorchBackend(target, eagle, num_pages=pages), args.max_verify_tokens))
+        methods.append(Method("eagle3", TorchBackend(target, eagle, num_pages=pages, cpu_weights=weights), args.max_verify_tokens))
     if args.drafter:
         drafter = load_drafter(args.drafter, cfg, dtype=DTYPES[args.dtype])
-        dflash = TorchBackend(target, drafter, num_pages=pages, block_size=args.block_size)
+        dflash = TorchBackend(target, drafter, num_pages=pages, block_size=args.block_size, cpu_weights=weights)
         methods.append(Method("dflash", dflash, args.max_verify_tokens))
         if args.draft_length == "auto":
             from .draft_length import auto_policy
 
             from .draft_length import calibration_identity
 
-            identity = calibration_identity(args.target, args.drafter, args.dtype, "dflash", dflash.block_size)
+            identity = calibration_identity(args.target, args.drafter, weights_label(args.dtype, weights), "dflash", dflash.block_size)
             policy = auto_policy(dflash, identity, max(concurrency + [1]), progress=not args.quiet)
             if policy is not None:
                 methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, policy.cost))
+    if weights != "dense":  # the same decoding on the dense weights: how often int8 changes the greedy output, and its speed
+        methods.append(Method("ar-dense", TorchBackend(load_target(args.target, dtype=DTYPES[args.dtype]), None, num_pages=pages)))
     if args.peer:
         from .peers import make_peers
 
         methods += [Method(p.name, None, peer=p) for p in make_peers(args.peer, args.target, torch.get_num_threads(), args.gguf)]
     eos = generation_eos_ids(args.target, tok, args.tokenizer)
     results = run_bench(methods, prompt_sets, eos, args.max_new_tokens, concurrency, progress=not args.quiet)
-    results["setup"] = {"target": str(args.target), "tokenizer": args.tokenizer, "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "block_size": args.block_size,
+    floor = floor_probe(methods[0].backend)
+    results["setup"] = {"target": str(args.target), "tokenizer": args.tokenizer, "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "cpu_weights": weights,
+                        "int8_extra_mb": round(methods[0].backend.int8_bytes / 1e6, 1), "block_size": args.block_size,
                         "step_cost": next((m.step_cost.to_json() for m in methods if m.step_cost is not None), None),
                         "peers": [m.name for m in methods if m.peer is not None],
+                        "floor": floor,
                         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads()}
     names = [m.name for m in methods]
     block = args.block_size or next((m.backend.block_size for m in methods if m.name == "dflash"), None)
-    header = header_line(Path(args.target).name, args.dtype, block, bool(args.block_size), args.num_prompts, args.max_new_tokens,
+    header = header_line(Path(args.target).name, weights_label(args.dtype, weights), block, bool(args.block_size), args.num_prompts, args.max_new_tokens,
                          torch.get_num_threads())
-    table = markdown(results, names, header) + "\nIn short:\n\n" + "\n".join(verdict(results, names, args.dtype)) + "\n"
+    table = markdown(results, names, header + "\n\n" + floor_line(floor)) + "\nIn short:\n\n" + "\n".join(verdict(results, names, args.dtype)) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -319,13 +405,14 @@ def cmd_bench(args) -> int:
 
 def register_cli(sub) -> None:
     from .flags import HELP_FORMAT, positive_int
-    from .loading import add_model_flags
+    from .loading import add_cpu_weights_flag, add_model_flags
 
     b = sub.add_parser("bench", help="benchmark DFlash against autoregressive decoding on the shipped prompt sets", formatter_class=HELP_FORMAT,
                        description="AR vs the EAGLE-3-style baseline vs DFlash (and DFlash with the draft length from the step cost) "
                                    "on the shipped prompt sets, one table per run: tau, tokens/s, speedup over AR, how many outputs "
                                    "equal AR's, plus a concurrency sweep. Writes bench.json, bench.md and bench.png to --out.")
     add_model_flags(b, "bench", serving=False)
+    add_cpu_weights_flag(b)
     b.add_argument("--eagle", help="EAGLE-3-style baseline drafter directory (chain length = its block_size - 1)")
     b.add_argument("--domains", default=",".join(EVAL_DOMAINS), help="comma-separated prompt sets")
     b.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per domain")

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from . import __version__, bench, convert, deploy, fetch, plan
-from .errors import DFlashError
+from .errors import ConfigError, DFlashError
 from .flags import HELP_FORMAT, positive_int
 from .loading import (
-    DTYPES, add_model_flags, add_tp_flags, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer,
-    load_torch_backend, load_tp_backend, prepare_on_rank_0, read_prompts, requested_drafter,
+    DTYPES, add_cpu_weights_flag, add_model_flags, add_tp_flags, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer,
+    load_torch_backend, load_tp_backend, prepare_on_rank_0, read_prompts, requested_drafter, weights_label,
 )
 
 
@@ -31,7 +31,8 @@ def cmd_generate(args) -> int:
     prompts = [encode_prompt(tokenizer, p, chat=not args.no_chat_template) for p in read_prompts(args.prompt, args.prompts)]
     drafter_dir = requested_drafter(args)
     pages = kv_pages(args, prompts)
-    backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], args.device, pages, args.page_size, args.block_size, args.drafter_type)
+    backend = load_torch_backend(args.target, drafter_dir, DTYPES[args.dtype], args.device, pages, args.page_size, args.block_size, args.drafter_type,
+                                 args.cpu_weights)
     eos = generation_eos_ids(args.target, tokenizer)
     mode = "autoregressive" if drafter_dir is None else f"{args.drafter_type} block={backend.block_size}"
     policy = draft_policy(args, backend, str(args.target), drafter_dir, len(prompts))
@@ -46,7 +47,8 @@ def draft_policy(args, backend, target, drafter, num_prompts: int):
 
     if args.draft_length != "auto" or args.block_size or backend.max_drafts == 0:
         return None
-    identity = calibration_identity(target, drafter, args.dtype, getattr(args, "drafter_type", "dflash"), backend.block_size)
+    identity = calibration_identity(target, drafter, weights_label(args.dtype, args.cpu_weights), getattr(args, "drafter_type", "dflash"),
+                                    backend.block_size)
     return auto_policy(backend, identity, min(args.max_batch, num_prompts), progress=not args.quiet)
 
 
@@ -78,10 +80,13 @@ def generate_checkpoint(args) -> int:
     if launched_world_size() == 1:  # in this process; a sharded checkpoint is refused with "run it with mpirun -n N"
         prompts, eos = prepare()
         drafter = None if args.no_drafter else drafter_dir
-        backend = load_torch_backend(target_dir, drafter, DTYPES[args.dtype], args.device, kv_pages(args, prompts), args.page_size, args.block_size)
+        backend = load_torch_backend(target_dir, drafter, DTYPES[args.dtype], args.device, kv_pages(args, prompts), args.page_size, args.block_size,
+                                     cpu_weights=args.cpu_weights)
         mode += "" if args.no_drafter else f" block={backend.block_size}"
         policy = draft_policy(args, backend, str(ckpt), drafter, len(prompts))
         return run_generation(args, backend, tokenizers[0], prompts, eos, target_cfg.max_position_embeddings, mode, policy=policy)
+    if args.cpu_weights != "dense":
+        raise ConfigError("--cpu-weights int8 runs in one process only (not under tensor parallelism)", key="--cpu-weights")
     tp = init_tp(args.device, args.tp_timeout)
     try:
         # Rank 0 tokenizes and the others receive token ids; from there every rank runs the same loop on the
@@ -160,7 +165,6 @@ def cmd_calibrate(args) -> int:
     """Measure (or, cached, show) the step cost that `--draft-length auto` chooses draft lengths from."""
     from .draft_length import CONTEXT, cache_key, calibration_dir, calibration_identity, load_or_calibrate, step_cost_path
     from .kv_cache import pool_pages
-    from .errors import ConfigError
     from .progress import progress_bar
 
     if args.threads:
@@ -171,8 +175,9 @@ def cmd_calibrate(args) -> int:
         raise ConfigError("the step cost is a drafting backend's: pass --drafter (or --checkpoint)", key="--drafter")
     pages = args.kv_pages or pool_pages(args.max_batch, CONTEXT, args.page_size, args.block_size)
     backend = load_torch_backend(target_dir, drafter_dir, DTYPES[args.dtype], "cpu", num_pages=pages,
-                                 page_size=args.page_size, block_size=args.block_size, drafter_type=args.drafter_type)
-    key = cache_key(*calibration_identity(args.checkpoint or target_dir, drafter_dir, args.dtype, args.drafter_type, backend.block_size))
+                                 page_size=args.page_size, block_size=args.block_size, drafter_type=args.drafter_type, cpu_weights=args.cpu_weights)
+    key = cache_key(*calibration_identity(args.checkpoint or target_dir, drafter_dir, weights_label(args.dtype, args.cpu_weights), args.drafter_type,
+                                          backend.block_size))
     directory = calibration_dir()
     path = step_cost_path(directory, key)
     if args.force and path.exists():
@@ -214,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "target's own greedy output, or plain decoding with --no-drafter. Text streams to stdout; one "
                                    "statistics line (mode, tau, tokens/s, acceptance, finish reasons) goes to stderr.")
     add_model_flags(g, "generate")
+    add_cpu_weights_flag(g)
     add_tp_flags(g)
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank (NCCL)")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -236,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model pair, dtype and block size, and cache it where generate / bench / serve find it "
                                    "($DFLASH_TRT_CALIBRATION, else calibration/ under the package cache). Prints the table.")
     add_model_flags(c, "calibrate")
+    add_cpu_weights_flag(c)
     c.set_defaults(max_batch=16)
     c.add_argument("--force", action="store_true", help="measure again even if a cached table exists")
     c.add_argument("--quiet", action="store_true", help="no progress bar")

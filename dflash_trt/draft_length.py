@@ -61,8 +61,10 @@ class StepCost:
         return StepCost(list(raw["batches"]), list(raw["drafts"]), [list(map(float, r)) for r in raw["seconds"]])
 
 
-def measure_step(backend, batch: int, num_drafts: int, context: int = 48, reps: int = 3, seed: int = 0) -> float:
-    """Median seconds of one draft + verify + commit step for `batch` synthetic sequences of `context` tokens."""
+def measure_step(backend, batch: int, num_drafts: int, context: int = 48, reps: int = 3, seed: int = 0, random_drafts: bool = False) -> float:
+    """Median seconds of one draft + verify + commit step for `batch` synthetic sequences of `context` tokens.
+    random_drafts: the drafts are random tokens and no drafter runs (what a verify of num_drafts + 1 tokens
+    costs the target alone; works on a backend without a drafter)."""
     gen = torch.Generator().manual_seed(seed)
     ids = [-(10_000 + i) for i in range(batch)]  # ids the Generator never hands out
     prompts = [torch.randint(0, backend.vocab_size, (context,), generator=gen).tolist() for _ in ids]
@@ -74,7 +76,10 @@ def measure_step(backend, batch: int, num_drafts: int, context: int = 48, reps: 
         times = []
         for _ in range(reps + 1):  # the first is warm-up
             start = time.perf_counter()
-            drafts = backend.draft(ids, last, [num_drafts] * batch) if num_drafts else [[] for _ in ids]
+            if random_drafts:
+                drafts = torch.randint(0, backend.vocab_size, (batch, num_drafts), generator=gen).tolist()
+            else:
+                drafts = backend.draft(ids, last, [num_drafts] * batch) if num_drafts else [[] for _ in ids]
             backend.verify(ids, [[t] + d for t, d in zip(last, drafts)], [False] * batch)
             backend.commit(ids, [1] * batch)
             times.append(time.perf_counter() - start)

@@ -176,6 +176,21 @@ def add_model_flags(p: argparse.ArgumentParser, launcher: str, serving: bool = T
     p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
 
 
+def add_cpu_weights_flag(p: argparse.ArgumentParser) -> None:
+    """--cpu-weights (generate, calibrate, bench: the single-process torch backend)."""
+    from .models.packed import CPU_WEIGHTS
+
+    p.add_argument("--cpu-weights", choices=CPU_WEIGHTS, default="dense",
+                   help="dense: the target's weights in --dtype; int8: weight-only int8 with power-of-two row scales (needs --dtype "
+                        "bf16; packed int8 matmuls for steps of few tokens, bf16 matmuls of the same weights for wider ones; "
+                        "+50%% weight memory); the drafter stays dense. Not under tensor parallelism")
+
+
+def weights_label(dtype: str, cpu_weights: str) -> str:
+    """The dtype as calibrations and reports name it: 'bf16', or 'bf16+int8' for int8 weights."""
+    return dtype if cpu_weights == "dense" else f"{dtype}+{cpu_weights}"
+
+
 def add_tp_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-drafter", choices=["sharded", "replicated"], default="sharded",
                    help="sharded --checkpoint: shard the drafter like the target, or run it whole on every rank")
@@ -445,6 +460,7 @@ def load_torch_backend(
     page_size: int = 16,
     block_size: int | None = None,
     drafter_type: str = "dflash",
+    cpu_weights: str = "dense",
 ):
     """Load and validate a target (and a DFlash or EAGLE-3-style drafter) from their directories."""
     from .torch_backend import TorchBackend
@@ -454,4 +470,4 @@ def load_torch_backend(
     if drafter_dir is not None:
         load = load_eagle_drafter if drafter_type == "eagle3" else load_drafter
         drafter = load(drafter_dir, target.cfg, dtype=dtype, device=device)
-    return TorchBackend(target, drafter, num_pages=num_pages, page_size=page_size, block_size=block_size)
+    return TorchBackend(target, drafter, num_pages=num_pages, page_size=page_size, block_size=block_size, cpu_weights=cpu_weights)

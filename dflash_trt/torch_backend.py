@@ -17,6 +17,7 @@ from .errors import ConfigError
 from .models.drafter import DFlashDrafter
 from .models.eagle import Eagle3Drafter
 from .models.layers import fuse_projections
+from .models.packed import CPU_WEIGHTS, pack_int8_target
 from .models.target import TargetModel
 from .speculative import Scores
 
@@ -31,15 +32,24 @@ class TorchBackend:
         block_size: int | None = None,
         capture_layers: tuple[int, ...] | None = None,
         fuse: bool = True,
+        cpu_weights: str = "dense",
     ):
         """`capture_layers` without a drafter keeps target features anyway (training-data extraction:
         `pending_features` then holds them for every token in the target cache).
         `fuse`: one q/k/v and one gate/up matmul per layer (layers.FusedLinear) in the target and the drafter;
-        False runs every projection apart, as the checkpoint names them."""
+        False runs every projection apart, as the checkpoint names them.
+        `cpu_weights` "int8": the target's weights become weight-only int8 (models.packed: packed kernels for
+        steps of few rows, bf16 matmuls of the same weights for wider ones; needs a bf16 target); the drafter
+        stays in its dtype."""
         self.target, self.drafter = target, drafter
         for model in (target, drafter):
             if model is not None:
                 fuse_projections(model, on=fuse)
+        self.int8_bytes = 0  # what the packed int8 copies add to the weights
+        if cpu_weights == "int8":
+            self.int8_bytes = pack_int8_target(target)
+        elif cpu_weights != "dense":
+            raise ConfigError(f"cpu_weights must be one of {', '.join(CPU_WEIGHTS)}, got {cpu_weights!r}", key="--cpu-weights")
         self.vocab_size = target.cfg.vocab_size
         self.page_size, self.num_pages = page_size, num_pages
         self.target_cache = target.new_cache(num_pages, page_size)

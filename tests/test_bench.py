@@ -85,3 +85,30 @@ def test_the_report_header_says_which_block_ran_in_words():
     assert "no DFlash drafter," in header_line("t", "fp32", None, False, 4, 128, 2)
     assert "default" not in header_line("t", "bf16", 16, False, 4, 128, 2)  # it once said "block drafter default"
 
+
+
+def test_the_floor_probe_counts_the_weights_a_step_reads_and_divides_by_the_bandwidth(tmp_path):
+    """Reference: transformers' own parameters (tied weights deduplicated by transformers), less the input
+    embedding table when it is not also the lm_head; fused projections (one storage for q/k/v) counted once."""
+    import math
+
+    import torch
+    import transformers
+
+    from conftest import write_target
+    from dflash_trt.bench import floor_figures, floor_probe, weight_bytes
+
+    for tie in (False, True):
+        target_dir = write_target(tmp_path / f"t{tie}", "llama", tie=tie)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+        expected = sum(p.nbytes for p in hf.parameters()) - (0 if tie else hf.model.embed_tokens.weight.nbytes)
+        target = load_target(target_dir)
+        assert weight_bytes(target) == expected
+        backend = TorchBackend(target, None, 64, 16)  # fused q/k/v and gate/up
+        assert weight_bytes(backend.target) == expected
+        f = floor_probe(backend, reps=2)
+        assert backend.target_cache.num_free_pages == 64  # the probe's sequences went back to the pool
+        assert f["weight_mb"] == round(expected / 1e6, 1) and f["bandwidth_gb_per_s"] > 0
+        assert f["context"] + 16 + 3 <= 64 * 16 and f["ar_step_ms"] > 0 and f["verify_ms"] > 0
+    f = floor_figures(50e9, 270_000_000, 0.0162, 0.0243, 200)
+    assert math.isclose(f["floor_ms"], 5.4) and math.isclose(f["ar_step_over_floor"], 3.0) and math.isclose(f["verify_over_ar_step"], 1.5)

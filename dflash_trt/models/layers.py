@@ -82,20 +82,24 @@ class FusedLinear:
                 m.bias.data = self.bias[start : start + n]
             start += n
         self._ptrs = [self._storage(m) for m in linears]  # where each linear's weight (and bias) now live
+        self.int8 = None  # packed.Int8Weight of `weight` under --cpu-weights int8 (packed.pack_int8)
 
     @staticmethod
     def _storage(m: nn.Linear) -> tuple[int, int | None]:
         return m.weight.data_ptr(), None if m.bias is None else m.bias.data_ptr()
 
-    def live(self, parent: nn.Module) -> bool:
-        if torch.is_grad_enabled():
-            return False
+    def intact(self, parent: nn.Module) -> bool:
+        """The linears are still the ones fused, on the fused storage."""
         return all(getattr(parent, name) is m and self._storage(m) == ptrs for name, m, ptrs in zip(self.names, self.linears, self._ptrs))
+
+    def live(self, parent: nn.Module) -> bool:
+        return not torch.is_grad_enabled() and self.intact(parent)
 
     def __call__(self, parent: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The linears' outputs for input x: one matmul while `live(parent)`, else each of parent's linears."""
         if self.live(parent):
-            return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+            y = F.linear(x, self.weight, self.bias) if self.int8 is None else self.int8.linear(x, self.bias)
+            return y.split(self.sizes, dim=-1)
         return tuple(getattr(parent, name)(x) for name in self.names)
 
 

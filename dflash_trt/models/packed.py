@@ -1,0 +1,151 @@
+"""Weight-only int8 for CPU decoding (`--cpu-weights int8`): packed int8 matmuls where they are faster, dense bf16
+matmuls of the very same weights where they are not.
+
+On a CPU without AMX a bf16 matmul of one token is a GEMV bound by its kernel, not by memory; torch's packed int8
+kernel (`aten._weight_int8pack_mm`: bf16 activations, int8 weights [N, K], one scale per output row) reads half
+the bytes and runs a 1-token step about twice as fast, but is 2-3× slower than the bf16 matmul for a 16-token
+verify block. So each weight is held twice and each call picks by its row count M: packed int8 up to a crossover
+measured once per weight shape and process, dense bf16 above it.
+
+Both forms hold *the same weights*. Scales are powers of two, so q · s (|q| ≤ 127, a 7-bit integer) is exact in
+bf16: the dense copy is exactly q · s, and the model's own Parameters are overwritten with it in place (state_dict,
+tied embeddings and the drafter's draft head see the weights the target runs with). The two kernels then differ only
+in how they round their sums, as a bf16 verify block already differs from a 1-token step, so greedy decoding with
+or without drafts is lossless against the target *as run* in the same sense as bf16 itself is (near-ties can flip;
+`bench` reports the match rate and the logit gaps). Against the original bf16 weights the quantization is a real
+change: `bench --cpu-weights int8` reports its greedy agreement with them.
+
+Memory: the packed copy adds 1 byte per weight (plus 2 per row) to the 2 bytes of the bf16 weights.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+
+INT8_MAX = 127
+CPU_WEIGHTS = ("dense", "int8")  # --cpu-weights: the weights in --dtype, or weight-only int8 (bf16 only)
+PROBE_ROWS = (1, 2, 4, 8, 16)  # row counts at which the crossover is measured
+
+_crossovers: dict[tuple[int, int, int], int] = {}  # (N, K, threads) → largest M where the packed kernel is faster
+
+
+def quantize_int8_pow2(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] → (q int8 [N, K], scale fp32 [N]) with scale a power of two per row, the smallest with
+    max|w| / scale ≤ 127, and q = round(w / scale) (round half to even); rows of zeros get scale 1."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / INT8_MAX))), torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def _median_s(fn, reps: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_crossover(q: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor) -> int:
+    """The largest M of PROBE_ROWS at which the packed int8 matmul beats the dense one on this machine, over the
+    probe rows in order (0: never); cached per (N, K, torch threads) for the process."""
+    key = (*q.shape, torch.get_num_threads())
+    if key not in _crossovers:
+        best = 0
+        for m in PROBE_ROWS:
+            x = torch.randn(m, q.shape[1], dtype=dense.dtype)
+            packed = _median_s(lambda: torch.ops.aten._weight_int8pack_mm(x, q, scales))
+            if packed >= _median_s(lambda: F.linear(x, dense)):
+                break
+            best = m
+        _crossovers[key] = best
+    return _crossovers[key]
+
+
+class Int8Weight:
+    """One weight [N, K] (a bf16 tensor, overwritten in place with its quantized value q · scale) and its packed
+    int8 form; `linear(x)` = x · weightᵀ by the packed kernel for at most `crossover` rows, else densely."""
+
+    def __init__(self, weight: torch.Tensor, crossover: int | None = None):
+        if weight.dtype != torch.bfloat16:
+            raise TypeError(f"int8 weights run with bf16 activations; this weight is {weight.dtype}")
+        q, scale = quantize_int8_pow2(weight)
+        with torch.no_grad():
+            weight.copy_(q.to(torch.bfloat16) * scale[:, None].to(torch.bfloat16))  # exact: a 7-bit integer times 2^e
+        self.q, self.scales, self.dense = q, scale.to(torch.bfloat16), weight
+        self.crossover = measure_crossover(self.q, self.scales, weight) if crossover is None else crossover
+
+    @property
+    def nbytes(self) -> int:
+        """What the packed form adds to the dense weight."""
+        return self.q.nbytes + self.scales.nbytes
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > self.crossover:
+            return F.linear(x, self.dense, bias)
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, x.shape[-1]), self.q, self.scales)
+        y = y.reshape(*x.shape[:-1], self.q.shape[0])
+        return y if bias is None else y + bias
+
+
+class Int8Linear(nn.Linear):
+    """An nn.Linear (same Parameters, same names) whose forward is its Int8Weight's."""
+
+    def __init__(self, linear: nn.Linear, crossover: int | None = None):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        self.weight, self.bias = linear.weight, linear.bias
+        self.int8 = Int8Weight(self.weight.data, crossover)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.int8.linear(x, self.bias)
+
+
+def pack_int8(model: nn.Module, crossover: int | None = None) -> int:
+    """Weight-only int8 for every matmul of a target (after `fuse_projections`): each live fused q/k/v and gate/up
+    weight, every other nn.Linear, and the lm_head (the tied embedding table when it is one). `crossover` forces
+    the row count up to which the packed kernel runs (default: measured per shape). Idempotent: packing weights
+    that already hold q · scale gives the same q and scale. Returns the bytes the packed copies add."""
+    from .layers import AttentionProjections, MLP
+
+    added, skip = 0, set()
+    if hasattr(model, "lm_head_int8"):  # a TargetModel: its logits use lm_head_int8 (the lm_head or the tied embedding table)
+        model.lm_head_int8 = Int8Weight(model.lm_head_weight.data, crossover)
+        added += model.lm_head_int8.nbytes
+        if model.lm_head is not None:
+            skip.add(id(model.lm_head))
+    for module in model.modules():
+        if isinstance(module, (AttentionProjections, MLP)) and module._fused is not None and module._fused.intact(module):
+            module._fused.int8 = Int8Weight(module._fused.weight, crossover)
+            added += module._fused.int8.nbytes
+            skip.update(id(m) for m in module._fused.linears)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and id(child) not in skip:
+                packed = Int8Linear(child, crossover)
+                setattr(parent, name, packed)
+                added += packed.int8.nbytes
+            elif isinstance(child, Int8Linear) and id(child) not in skip:
+                child.int8 = Int8Weight(child.weight.data, crossover)
+                added += child.int8.nbytes
+    return added
+
+
+def pack_int8_target(target: nn.Module, crossover: int | None = None) -> int:
+    """pack_int8 for a bf16 target, with one clear error for any other dtype (the packed kernel takes bf16
+    activations; with fp32 ones it runs at a tenth of the speed)."""
+    dtype = target.lm_head_weight.dtype
+    if dtype != torch.bfloat16:
+        name = {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
+        raise ConfigError(f"--cpu-weights int8 runs with bf16 activations; this target is {name} (use --dtype bf16)", key="--cpu-weights")
+    return pack_int8(target, crossover)

@@ -1,0 +1,146 @@
+"""Weight-only int8 (models.packed, --cpu-weights int8): the quantization against a per-element reading of its
+definition, both kernels against dequantized math, the packed target against a dense target holding the
+independently dequantized weights, and greedy decoding with drafts against plain decoding on the same int8 target."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import write_drafter, write_target
+
+from dflash_trt.errors import ConfigError
+from dflash_trt.loading import load_drafter, load_target
+from dflash_trt.models.packed import Int8Linear, Int8Weight, pack_int8_target, quantize_int8_pow2
+from dflash_trt.runtime import Generator
+from dflash_trt.sampling import SamplingParams
+from dflash_trt.torch_backend import TorchBackend
+
+
+def naive_quantize(w: torch.Tensor) -> tuple[list[list[int]], list[float]]:
+    """Per row: the smallest power of two s with max|w| / s <= 127, then q = round-half-even(w / s), element by element."""
+    qs, scales = [], []
+    for row in w.float().tolist():
+        amax = max(abs(v) for v in row)
+        s = 1.0
+        if amax > 0:
+            s = 2.0 ** math.ceil(math.log2(amax / 127))
+            while amax / (s / 2) <= 127:  # guard log2 rounding: s is the smallest such power
+                s /= 2
+            while amax / s > 127:
+                s *= 2
+        qs.append([max(-127, min(127, round(v / s))) for v in row])  # Python's round is half to even
+        scales.append(s)
+    return qs, scales
+
+
+def test_quantization_is_the_per_element_definition_and_the_dense_copy_is_exact():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(24, 40, generator=g) * torch.logspace(-3, 1, 24)[:, None]).to(torch.bfloat16)
+    w[3] = 0  # a zero row: scale 1, q 0
+    w[5, 7] = 2.0 ** -8 * 127.5  # a tie on the boundary of the scale choice
+    q, scale = quantize_int8_pow2(w)
+    ref_q, ref_s = naive_quantize(w)
+    assert q.dtype == torch.int8 and q.tolist() == ref_q and scale.tolist() == ref_s
+    dense = w.clone()
+    packed = Int8Weight(dense, crossover=4)
+    assert torch.equal(dense.float(), q.float() * scale[:, None])  # q * 2^e is exact in bf16
+    assert (w.float() - dense.float()).abs().le(scale[:, None] / 2).all()  # within half a step of the original
+    q2, scale2 = quantize_int8_pow2(dense)  # idempotent: the dense copy quantizes to itself
+    assert torch.equal(q2, q) and torch.equal(scale2, scale)
+    assert packed.nbytes == q.numel() + 2 * q.shape[0]
+
+
+def test_both_kernels_compute_the_dequantized_matmul():
+    """Packed up to the crossover, dense above it; both equal x · (q·s)ᵀ in fp32 up to bf16 rounding of the result."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    packed = Int8Weight(w, crossover=2)
+    deq = packed.q.float() * packed.scales.float()[:, None]
+    bias = torch.randn(96, generator=g).to(torch.bfloat16)
+    for rows in (1, 2, 3, 16):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        ref = x.float() @ deq.T + bias.float()
+        y = packed.linear(x, bias)
+        assert y.shape == (rows, 96) and y.dtype == torch.bfloat16
+        assert (y.float() - ref).abs().max() <= 2 ** -7 * ref.abs().max() + 2 ** -7
+        if rows > 2:
+            assert torch.equal(y, F.linear(x, w, bias))  # dense: the very matmul of the dense copy
+    with pytest.raises(TypeError, match="bf16"):
+        Int8Weight(torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_packed_target_equals_a_dense_target_holding_the_dequantized_weights(tmp_path, tie):
+    path = write_target(tmp_path / "t", "llama", seed=3, tie=tie)
+    reference = load_target(path, dtype=torch.bfloat16)
+    for _, mod in reference.named_modules():  # independent: every matmul weight replaced by its naive quantization
+        weights = [mod.weight] if isinstance(mod, torch.nn.Linear) else []
+        for w in weights:
+            qs, scales = naive_quantize(w)
+            w.data = (torch.tensor(qs, dtype=torch.float32) * torch.tensor(scales)[:, None]).to(torch.bfloat16)
+    if tie:
+        w = reference.model.embed_tokens.weight
+        qs, scales = naive_quantize(w)
+        w.data = (torch.tensor(qs, dtype=torch.float32) * torch.tensor(scales)[:, None]).to(torch.bfloat16)
+    tokens = torch.tensor([5, 9, 14, 2, 33, 7])
+    for crossover in (0, 16):  # 0: every call dense (bit-equal); 16: every call packed (equal up to bf16 rounding)
+        model = load_target(path, dtype=torch.bfloat16)
+        backend = TorchBackend(model, None, 8, 16)  # fused, then int8 below
+        added = pack_int8_target(model, crossover=crossover)
+        assert any(isinstance(m, Int8Linear) for m in model.modules()) and added > 0
+        assert (model.lm_head is None) == tie and model.lm_head_int8 is not None
+        for ours, ref in zip(model.state_dict().values(), reference.state_dict().values()):
+            assert torch.equal(ours, ref)  # the model's Parameters hold the quantized weights
+        got, want = [], []
+        for m, out in ((model, got), (reference, want)):
+            cache = m.new_cache(8, 16)
+            cache.add_sequence(0)
+            with torch.inference_mode():
+                out.append(m(tokens, cache.prepare([0], [len(tokens)]), cache)[0])
+        if crossover == 0:
+            assert torch.equal(got[0], want[0])
+        else:
+            assert (got[0] - want[0]).abs().max() < 0.05 * want[0].abs().max()
+        del backend
+
+
+def test_greedy_with_drafts_equals_plain_decoding_on_the_same_int8_target(tmp_path):
+    """Lossless against the target as run: DFlash (oracle drafts, so long blocks are accepted) and plain decoding
+    on one int8 target (packed kernel up to 2 rows, dense above, so verify blocks take the other kernel) agree;
+    where bf16 rounding makes them part, the target's two logits there are a near-tie."""
+    from test_lossless import OracleDrafts
+
+    from dflash_trt.bench import flip_logit_gap
+
+    target_dir = write_target(tmp_path / "t", "llama", seed=5)
+    drafter_dir = write_drafter(tmp_path / "d", target_dir, num_layers=2, block_size=8)
+    target = load_target(target_dir, dtype=torch.bfloat16)
+    ar = TorchBackend(target, None, 128, 4)
+    pack_int8_target(target, crossover=2)
+    drafter = load_drafter(drafter_dir, target.cfg, dtype=torch.bfloat16)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 30, 40]]
+    params = SamplingParams(max_new_tokens=24)
+    plain = [o.output_ids for o in Generator(ar, eos_token_ids=set(), max_batch=4).generate(prompts, params)]
+    flips = 0
+    for batch, block in ((1, 8), (3, 4)):
+        dflash = TorchBackend(target, drafter, 128, 4, block_size=block)
+        pack_int8_target(target, crossover=2)  # the new backend re-fused the projections: pack again (idempotent)
+        spec = Generator(OracleDrafts(dflash, prompts, plain, seed=block), eos_token_ids=set(), max_batch=batch).generate(prompts, params)
+        assert max(n for o in spec for n in o.accepted_lengths) >= block - 1  # long blocks were verified and kept
+        for p, a, o in zip(prompts, plain, spec):
+            if a != o.output_ids:
+                flips += 1
+                assert abs(flip_logit_gap(ar, p, a, o.output_ids)) < 0.1, p
+    assert flips <= 2
+
+
+def test_int8_refuses_a_target_that_is_not_bf16(tmp_path):
+    target = load_target(write_target(tmp_path / "t", "llama"), dtype=torch.float32)
+    with pytest.raises(ConfigError, match="--dtype bf16") as err:
+        TorchBackend(target, None, 8, 16, cpu_weights="int8")
+    assert err.value.key == "--cpu-weights"
+    with pytest.raises(ConfigError, match="cpu_weights"):
+        TorchBackend(target, None, 8, 16, cpu_weights="int4")
