@@ -152,7 +152,20 @@ def floor_probe(backend, reps: int = 10) -> dict:
     nbytes = weight_bytes(backend.target)
     step = measure_step(backend, 1, 0, context=context, reps=reps)
     verify = measure_step(backend, 1, FLOOR_VERIFY - 1, context=context, reps=reps, random_drafts=True)
-    return floor_figures(bandwidth, nbytes, step, verify, context)
+    return {**floor_figures(bandwidth, nbytes, step, verify, context), "cpu": cpu_name()}
+
+
+def cpu_name() -> str:
+    """The CPU and the vector ISA torch's kernels use on it (AVX2 / AVX512 / AMX decide what bf16 and int8 cost)."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, torch CPU kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
 def floor_figures(bandwidth: float, nbytes: int, step_s: float, verify_s: float, context: int) -> dict:
@@ -163,7 +176,8 @@ def floor_figures(bandwidth: float, nbytes: int, step_s: float, verify_s: float,
 
 
 def floor_line(f: dict) -> str:
-    return (f"Floor: streaming read {f['bandwidth_gb_per_s']:.1f} GB/s; the target reads {f['weight_mb']:.0f} MB of weights per "
+    cpu = f" ({f['cpu']})" if f.get("cpu") else ""
+    return (f"Floor{cpu}: streaming read {f['bandwidth_gb_per_s']:.1f} GB/s; the target reads {f['weight_mb']:.0f} MB of weights per "
             f"step, so a step cannot take less than {f['floor_ms']:.1f} ms. Measured at {f['context']} tokens of context: a "
             f"1-token step {f['ar_step_ms']:.1f} ms ({f['ar_step_over_floor']:.1f}× the floor), a {f['verify_tokens']}-token "
             f"verify {f['verify_ms']:.1f} ms ({f['verify_over_ar_step']:.2f}× the 1-token step).")
@@ -176,6 +190,9 @@ def run_bench(methods: list[Method], prompt_sets: dict[str, list[list[int]]], eo
     total = len(prompt_sets) * len(methods) + len(concurrency) * sum(m.peer is None for m in methods)
     bar = progress_bar(total=total, desc="bench", unit="run", disable=not progress)
     results: dict = {"domains": {}, "concurrency": {}}
+    warm = [next(iter(prompt_sets.values()))[0]]
+    for m in methods:  # one short untimed run each first: the first calls of a process pay for allocation and kernel set-up
+        _run(m, warm, eos, min(8, max_new), concurrency=1)
     for domain, prompts in prompt_sets.items():
         row, reference = {}, None
         for m in methods:

@@ -144,3 +144,15 @@ def test_int8_refuses_a_target_that_is_not_bf16(tmp_path):
     assert err.value.key == "--cpu-weights"
     with pytest.raises(ConfigError, match="cpu_weights"):
         TorchBackend(target, None, 8, 16, cpu_weights="int4")
+
+
+def test_the_measured_crossover_is_a_probe_row_count_cached_per_shape():
+    from dflash_trt.models import packed
+
+    w = torch.randn(40, 32).to(torch.bfloat16)
+    first = Int8Weight(w.clone()).crossover
+    assert first in (0, *packed.PROBE_ROWS[:-1], packed.ALWAYS)
+    assert (40, 32, torch.get_num_threads()) in packed._crossovers
+    packed._crossovers[(40, 32, torch.get_num_threads())] = 3  # a cached value is what later weights of that shape get
+    assert Int8Weight(w.clone()).crossover == 3
+    del packed._crossovers[(40, 32, torch.get_num_threads())]

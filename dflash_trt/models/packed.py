@@ -56,9 +56,15 @@ def _median_s(fn, reps: int = 3) -> float:
     return statistics.median(times)
 
 
+ALWAYS = 1 << 62  # a crossover above any row count: the packed kernel for every call
+
+
 def measure_crossover(q: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor) -> int:
     """The largest M of PROBE_ROWS at which the packed int8 matmul beats the dense one on this machine, over the
-    probe rows in order (0: never); cached per (N, K, torch threads) for the process."""
+    probe rows in order (0: never); ALWAYS when it still wins at the last probe (both kernels are compute-bound
+    there, their costs linear in M, so the order holds for wider calls too: on an AVX2-only CPU, where a bf16
+    matmul costs in proportion to its rows, a 200-token prefill then runs packed as well). Cached per
+    (N, K, torch threads) for the process."""
     key = (*q.shape, torch.get_num_threads())
     if key not in _crossovers:
         best = 0
@@ -68,7 +74,7 @@ def measure_crossover(q: torch.Tensor, scales: torch.Tensor, dense: torch.Tensor
             if packed >= _median_s(lambda: F.linear(x, dense)):
                 break
             best = m
-        _crossovers[key] = best
+        _crossovers[key] = ALWAYS if best == PROBE_ROWS[-1] else best
     return _crossovers[key]
 
 

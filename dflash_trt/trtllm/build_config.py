@@ -196,6 +196,6 @@ def register_cli(sub) -> None:
     b.add_argument("--out", help="output root (default: the config's output_dir): checkpoint/ and engine/")
     b.add_argument("--target-dir", help="the target's directory, instead of the config's target.model")
     b.add_argument("--drafter-dir", help="the drafter's directory, instead of the config's speculative_config.speculative_model")
-    b.add_argument("--plugin-lib", help="libdflash_plugins.so, loaded into trtllm-build before the drafter is built")
+    b.add_argument("--plugin-lib", help="libdflash_plugins.so, registered in trtllm-build (engine_build --dflash_plugin_lib) before the one engine is built")
     b.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     b.set_defaults(func=cmd_build)

@@ -6,8 +6,8 @@ the kept tokens' target features into the drafter's layers (extra layers of the 
 then one DFlash block pass that proposes the next drafts as a one-path tree. The C++ runtime fills the
 inputs and consumes the outputs listed here; docs/engine-path.md cites where it does so.
 
-Both the TensorRT-LLM model class (`trtllm/model.py`, built by trtllm-build) and the CPU emulation
-(`trtllm/emulation.py`) take their names, dtypes and shapes from this module only.
+The CPU emulation (`trtllm/emulation.py`) takes its names, dtypes and shapes from this module only; the
+TensorRT-LLM model class (`trtllm/model.py`, built by trtllm-build) is to do the same once its network is written.
 
 Shapes use K = max_draft_len (block_size - 1), D = K + 1 (max_decoding_tokens), P = num_eagle_layers + 1
 (max_path_len; a one-path tree of K drafts plus its root needs num_eagle_layers = K), W = ceil(D / 32)

@@ -22,12 +22,13 @@ from . import api
 PLUGIN_NAMESPACE = plugin_spec.NAMESPACE
 PLUGIN_VERSION = plugin_spec.VERSION
 
-CONTEXT_FEATURES = "dflash_target_features"  # target engine output: [num_tokens, len(target_layer_ids) * H]
-DRAFT_TOKEN_IDS = "dflash_draft_token_ids"  # drafter engine output: [N] int32
+CONTEXT_FEATURES = "dflash_target_features"  # add_context_features' output: [num_tokens, len(target_layer_ids) * H]
+DRAFT_TOKEN_IDS = "dflash_draft_token_ids"  # add_draft_token_ids' output: [N] int32
 
-# The drafter engine's inputs (our contract with backend.py). Shapes per rank: T = new context rows,
-# N = block tokens over the batch, B = sequences, L = drafter layers, S = cache slots, F = feature width.
-# "dtype" is the engine dtype; the caches are user-managed buffers owned by TrtBackend.
+# The inputs DrafterAttention's plugin graph takes (tests/test_trtllm.py builds that graph with these names on
+# TensorRT-RTX's builder). Shapes per rank: T = new context rows, N = block tokens over the batch,
+# B = sequences, L = drafter layers, S = cache slots, F = feature width. "dtype" is the network's dtype;
+# the caches are flat [L, S, nkv, hd] buffers, not TensorRT-LLM's paged pool (docs/engine-path.md, Status).
 DRAFTER_INPUTS: dict[str, tuple[str, str]] = {
     "context_features": ("[T, F]", "dtype"),
     "context_cos": ("[T, hd]", "dtype"),  # RoPE of the injected keys (models.layers.Rotary at their positions)
@@ -44,7 +45,7 @@ DRAFTER_INPUTS: dict[str, tuple[str, str]] = {
     "k_cache": ("[L, S, nkv, hd]", "dtype"),  # updated in place (DFlashKVInject aliases it)
     "v_cache": ("[L, S, nkv, hd]", "dtype"),
 }
-# Marked outputs of the aliasing chain: the backend binds them to the k_cache / v_cache buffers.
+# Marked outputs of the aliasing chain: whoever runs the graph binds them to the k_cache / v_cache buffers.
 CACHE_OUTPUTS = {"k_cache": "k_cache_out", "v_cache": "v_cache_out"}
 
 
