@@ -177,7 +177,7 @@ def add_model_flags(p: argparse.ArgumentParser, launcher: str, serving: bool = T
 
 
 def add_cpu_weights_flag(p: argparse.ArgumentParser) -> None:
-    """--cpu-weights (generate, calibrate, bench: the single-process torch backend)."""
+    """--cpu-weights (generate, calibrate, bench, serve: the single-process torch backend)."""
     from .models.packed import CPU_WEIGHTS
 
     p.add_argument("--cpu-weights", choices=CPU_WEIGHTS, default="dense",

@@ -156,3 +156,17 @@ def test_the_measured_crossover_is_a_probe_row_count_cached_per_shape():
     packed._crossovers[(40, 32, torch.get_num_threads())] = 3  # a cached value is what later weights of that shape get
     assert Int8Weight(w.clone()).crossover == 3
     del packed._crossovers[(40, 32, torch.get_num_threads())]
+
+
+def test_generate_takes_cpu_weights_int8_and_refuses_it_on_fp32_in_one_line(tiny_dirs, capsys, tmp_path, monkeypatch):
+    from dflash_trt.cli import main
+
+    monkeypatch.setenv("DFLASH_TRT_CALIBRATION", str(tmp_path / "cal"))
+    target, drafter = tiny_dirs
+    common = ["generate", "--target", str(target), "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--ignore-eos", "--block-size", "4"]
+    assert main([*common, "--drafter", str(drafter), "--dtype", "bf16", "--cpu-weights", "int8"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() and "tau=" in out.err
+    assert main([*common, "--no-drafter", "--cpu-weights", "int8"]) == 2  # --dtype fp32 (the default)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cpu-weights" in err[0] and "--dtype bf16" in err[0]

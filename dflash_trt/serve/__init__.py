@@ -55,7 +55,7 @@ def cmd_serve(args) -> int:
     model = load_model(
         args.target, requested_drafter(args), tokenizer_dir=args.tokenizer, drafter_type=args.drafter_type, dtype=args.dtype,
         max_batch=args.max_batch, max_model_len=args.max_model_len, kv_pages=args.kv_pages, page_size=args.page_size,
-        block_size=args.block_size, max_verify_tokens=args.max_verify_tokens,
+        block_size=args.block_size, max_verify_tokens=args.max_verify_tokens, cpu_weights=args.cpu_weights,
     )
     name = args.model_name or Path(args.target).resolve().name
     server = Server(model, name, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens)
@@ -82,10 +82,11 @@ def cmd_triton_repo(args) -> int:
 
 def register_cli(sub) -> None:
     from ..flags import HELP_FORMAT
-    from ..loading import add_tp_flags
+    from ..loading import add_cpu_weights_flag, add_tp_flags
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, continuous batching, Prometheus metrics)", formatter_class=HELP_FORMAT)
     _model_args(s, "serve")
+    add_cpu_weights_flag(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --max-batch; more get 429")

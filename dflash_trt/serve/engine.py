@@ -245,7 +245,7 @@ def load_model(
     target_dir: str, drafter_dir: str | None, *, tokenizer_dir: str | None = None, drafter_type: str = "dflash",
     dtype: str = "fp32", max_batch: int = 8, max_model_len: int | None = 2048, kv_pages: int | None = None,
     page_size: int = 16, block_size: int | None = None, max_verify_tokens: int | None = None,
-    tp: TPGroup | None = None, tp_drafter: str = "sharded",
+    tp: TPGroup | None = None, tp_drafter: str = "sharded", cpu_weights: str = "dense",
 ) -> LoadedModel:
     """Load target (+ drafter) and tokenizer the way `dflash-trt generate` does. Without `kv_pages`
     the pool holds `max_batch` requests of `max_model_len` tokens each. With `tp` (target_dir and
@@ -263,9 +263,14 @@ def load_model(
         kv_pages = pool_pages(max_batch, max_model_len, page_size, block_size)
     if tp is None:
         tokenizer = load_tokenizer(tokenizer_dir or target_dir)
-        backend = load_torch_backend(target_dir, drafter_dir, DTYPES[dtype], "cpu", kv_pages, page_size, block_size, drafter_type)
+        backend = load_torch_backend(target_dir, drafter_dir, DTYPES[dtype], "cpu", kv_pages, page_size, block_size, drafter_type, cpu_weights)
         eos = generation_eos_ids(target_dir, tokenizer, tokenizer_dir)
     else:
+        if cpu_weights != "dense":
+            from ..errors import ConfigError
+
+            raise ConfigError("--cpu-weights int8 runs in one process only (not under tensor parallelism)", key="--cpu-weights")
+
         def prepare():
             tok = load_tokenizer(tokenizer_dir or target_dir)
             return sorted(generation_eos_ids(target_dir, tok, tokenizer_dir)), tok

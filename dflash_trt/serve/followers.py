@@ -86,6 +86,7 @@ def serve_tp(args) -> int:
             args.target, None if args.no_drafter else args.drafter, tokenizer_dir=args.tokenizer, dtype=args.dtype,
             max_batch=args.max_batch, max_model_len=args.max_model_len, kv_pages=args.kv_pages, page_size=args.page_size,
             block_size=args.block_size, max_verify_tokens=args.max_verify_tokens, tp=tp, tp_drafter=args.tp_drafter,
+            cpu_weights=args.cpu_weights,
         )
         if tp.rank != 0:
             for sig in (signal.SIGINT, signal.SIGTERM):  # launchers signal every rank; rank 0 decides when we stop
