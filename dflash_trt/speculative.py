@@ -41,10 +41,12 @@ class Scores:
 class Backend(Protocol):
     """What a backend (torch now, TensorRT engines later) implements; the loop does the rest.
 
-    `need_logits[i]`: whether sequence i's Scores carry full logits (it samples); None means every sequence."""
+    `need_logits[i]`: whether sequence i's Scores carry full logits (it samples); None means every sequence.
+    `block_size`: the verify block (max_drafts + 1; 1 without a drafter), which the server reports (serve/engine.py)."""
 
     vocab_size: int
     max_drafts: int  # block_size - 1, or 0 without a drafter
+    block_size: int  # tokens per verify block: max_drafts + 1
     num_pages: int  # KV pages in the pool (the Generator admits requests against it)
 
     def pages_needed(self, num_tokens: int) -> int: ...  # worst-case pages of one sequence of num_tokens tokens

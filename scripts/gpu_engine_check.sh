@@ -47,6 +47,6 @@ if [ "$DRY_RUN" = 1 ]; then
     echo "dry run: every CPU step passed"
     exit 0
 fi
-: "${DFLASH_PLUGIN_LIB:?set DFLASH_PLUGIN_LIB to libdflash_plugins.so (docker/Dockerfile builds it)}"
+: "${DFLASH_PLUGIN_LIB:?set DFLASH_PLUGIN_LIB to libdflash_plugins.so with cubins for the shipped drafter (-DDFLASH_SHAPES with 2,9,3,64,16: docker/Dockerfile builds it)}"
 echo "the one-engine DFlashForCausalLM (EAGLE contract) is not built yet: see docs/engine-path.md, Status" >&2
 exit 3

@@ -1,5 +1,5 @@
-"""The Backend protocol (speculative.py) lists every member the loop and the Generator use on a backend,
-and each backend implements every member of the protocol with its signature."""
+"""The Backend protocol (speculative.py) lists every member the loop, the Generator and the server (serve/*.py)
+use on a backend, and each backend implements every member of the protocol with its signature."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from dflash_trt.speculative import Backend
 from dflash_trt.torch_backend import TorchBackend
 
 PACKAGE = Path(dflash_trt.__file__).parent
-# The modules that drive any backend through the protocol (backend-specific code may reach further).
-LOOP_MODULES = ("speculative.py", "runtime.py")
+# The modules that drive any backend through the protocol (backend-specific code may reach further, through
+# getattr with a default, as serve/engine.py's free_kv_pages does).
+LOOP_MODULES = ("speculative.py", "runtime.py", *sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "serve").glob("*.py")))
 
 
 def _protocol_members() -> set[str]:
@@ -22,14 +23,14 @@ def _protocol_members() -> set[str]:
 
 
 def _used_on_backend(source: str) -> set[str]:
-    """Attribute names read on `backend` or `self.backend` in a module."""
+    """Attribute names read on `backend` or on any `<name>.backend` (`self.backend`, `gen.backend`) in a module."""
     used = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute):
             owner = node.value
             if isinstance(owner, ast.Name) and owner.id == "backend":
                 used.add(node.attr)
-            elif isinstance(owner, ast.Attribute) and owner.attr == "backend" and isinstance(owner.value, ast.Name) and owner.value.id == "self":
+            elif isinstance(owner, ast.Attribute) and owner.attr == "backend" and isinstance(owner.value, ast.Name):
                 used.add(node.attr)
     return used
 
@@ -37,11 +38,13 @@ def _used_on_backend(source: str) -> set[str]:
 def test_every_member_the_loop_uses_is_in_the_protocol():
     used = set().union(*(_used_on_backend((PACKAGE / m).read_text()) for m in LOOP_MODULES))
     assert {"pages_needed", "num_pages", "verify", "commit"} <= used  # the scan sees what it should
+    assert any(m.startswith("serve/") for m in LOOP_MODULES)  # and reads the server's modules
     assert used <= _protocol_members(), sorted(used - _protocol_members())
 
 
 def test_the_scan_notices_a_member_missing_from_the_protocol():
     assert "evict" in _used_on_backend("def f(self):\n    self.backend.evict(3)\n") - _protocol_members()
+    assert "evict" in _used_on_backend("def f(gen):\n    gen.backend.evict(3)\n") - _protocol_members()
 
 
 def test_backends_implement_the_protocol_with_its_signatures(tiny_dirs):

@@ -39,3 +39,19 @@ def test_a_tensorrt_llm_without_the_engine_path_is_refused_by_name(monkeypatch):
         api.require_tensorrt_llm()
     fake.__version__ = "1.2.1"
     api.require_tensorrt_llm()  # the pinned line passes
+
+
+def test_dockerfile_builds_cubins_for_the_shipped_drafter():
+    """The image's plugin library embeds kernels per drafter shape (plugins/CMakeLists.txt DFLASH_SHAPES):
+    Qwen3-8B's (aot's default) and the shipped drafter's, which scripts/gpu_engine_check.sh runs."""
+    import json
+
+    from dflash_trt.kernels.aot import QWEN3_8B_DRAFTER
+
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    (value,) = re.findall(r'-DDFLASH_SHAPES="([^"]+)"', text)
+    shapes = {tuple(int(x) for x in s.split(",")) for s in value.split(";")}
+    cfg = json.loads((ROOT / "examples" / "drafters" / "smollm2-dflash-b16" / "config.json").read_text())
+    shipped = tuple(cfg[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "block_size"))
+    assert shipped == (2, 9, 3, 64, 16)
+    assert {QWEN3_8B_DRAFTER, shipped} <= shapes, sorted(shapes)
