@@ -170,3 +170,24 @@ def test_generate_takes_cpu_weights_int8_and_refuses_it_on_fp32_in_one_line(tiny
     assert main([*common, "--no-drafter", "--cpu-weights", "int8"]) == 2  # --dtype fp32 (the default)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--cpu-weights" in err[0] and "--dtype bf16" in err[0]
+
+
+def test_the_floor_counts_the_packed_bytes_a_one_token_step_reads(tmp_path):
+    """Closed form from transformers' modules: each matmul weight [N, K] is N·K int8 bytes + N bf16 scales; norms
+    stay bf16; the tied embedding table is the lm_head (packed too)."""
+    import transformers
+
+    from dflash_trt.bench import weight_bytes
+
+    path = write_target(tmp_path / "t", "llama", tie=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    matmuls = [m.weight for m in hf.modules() if isinstance(m, torch.nn.Linear) and m is not hf.lm_head]
+    matmuls.append(hf.model.embed_tokens.weight)
+    norms = [p for n, p in hf.named_parameters() if "norm" in n]
+    expected = sum(w.shape[0] * w.shape[1] + 2 * w.shape[0] for w in matmuls) + sum(p.nbytes for p in norms)
+    target = load_target(path, dtype=torch.bfloat16)
+    TorchBackend(target, None, 8, 16)
+    pack_int8_target(target, crossover=1)  # packed for 1-token steps whatever this machine measures
+    assert weight_bytes(target) == expected
+    pack_int8_target(target, crossover=0)  # never packed: the step reads the dense bf16 weights
+    assert weight_bytes(target) == sum(p.nbytes for p in hf.parameters())
