@@ -50,6 +50,9 @@ class TorchBackend:
             self.int8_bytes = pack_int8_target(target)
         elif cpu_weights != "dense":
             raise ConfigError(f"cpu_weights must be one of {', '.join(CPU_WEIGHTS)}, got {cpu_weights!r}", key="--cpu-weights")
+        elif target.lm_head_int8 is not None:  # re-fusing above dropped the fused int8 copies: half the model would run dense
+            raise ConfigError("this target already holds int8 weights (an earlier backend packed it); load it again for dense weights",
+                              key="--cpu-weights")
         self.vocab_size = target.cfg.vocab_size
         self.page_size, self.num_pages = page_size, num_pages
         self.target_cache = target.new_cache(num_pages, page_size)

@@ -118,16 +118,16 @@ def test_greedy_with_drafts_equals_plain_decoding_on_the_same_int8_target(tmp_pa
     target_dir = write_target(tmp_path / "t", "llama", seed=5)
     drafter_dir = write_drafter(tmp_path / "d", target_dir, num_layers=2, block_size=8)
     target = load_target(target_dir, dtype=torch.bfloat16)
-    ar = TorchBackend(target, None, 128, 4)
-    pack_int8_target(target, crossover=2)
+    ar = TorchBackend(target, None, 128, 4, cpu_weights="int8")
+    pack_int8_target(target, crossover=2)  # force the crossover (the backend measured one)
     drafter = load_drafter(drafter_dir, target.cfg, dtype=torch.bfloat16)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 30, 40]]
     params = SamplingParams(max_new_tokens=24)
     plain = [o.output_ids for o in Generator(ar, eos_token_ids=set(), max_batch=4).generate(prompts, params)]
     flips = 0
     for batch, block in ((1, 8), (3, 4)):
-        dflash = TorchBackend(target, drafter, 128, 4, block_size=block)
-        pack_int8_target(target, crossover=2)  # the new backend re-fused the projections: pack again (idempotent)
+        dflash = TorchBackend(target, drafter, 128, 4, block_size=block, cpu_weights="int8")  # re-fuses and re-packs (idempotent)
+        pack_int8_target(target, crossover=2)
         spec = Generator(OracleDrafts(dflash, prompts, plain, seed=block), eos_token_ids=set(), max_batch=batch).generate(prompts, params)
         assert max(n for o in spec for n in o.accepted_lengths) >= block - 1  # long blocks were verified and kept
         for p, a, o in zip(prompts, plain, spec):
@@ -191,3 +191,11 @@ def test_the_floor_counts_the_packed_bytes_a_one_token_step_reads(tmp_path):
     assert weight_bytes(target) == expected
     pack_int8_target(target, crossover=0)  # never packed: the step reads the dense bf16 weights
     assert weight_bytes(target) == sum(p.nbytes for p in hf.parameters())
+
+
+def test_a_dense_backend_on_a_target_packed_before_is_refused(tmp_path):
+    target = load_target(write_target(tmp_path / "t", "llama"), dtype=torch.bfloat16)
+    TorchBackend(target, None, 8, 16, cpu_weights="int8")
+    TorchBackend(target, None, 8, 16, cpu_weights="int8")  # the same weights again: fine (packing is idempotent)
+    with pytest.raises(ConfigError, match="already holds int8"):
+        TorchBackend(target, None, 8, 16)

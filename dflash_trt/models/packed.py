@@ -118,8 +118,9 @@ class Int8Linear(nn.Linear):
 
 
 def pack_int8(model: nn.Module, crossover: int | None = None) -> int:
-    """Weight-only int8 for every matmul of a target (after `fuse_projections`): each live fused q/k/v and gate/up
-    weight, every other nn.Linear, and the lm_head (the tied embedding table when it is one). `crossover` forces
+    """Weight-only int8 for the matmuls of a target (after `fuse_projections`): each live fused q/k/v and gate/up
+    weight, every other nn.Linear (a MoE router too; gpt-oss's expert stacks are no nn.Linear and stay dense), and
+    the lm_head (the tied embedding table when it is one). `crossover` forces
     the row count up to which the packed kernel runs (default: measured per shape). Idempotent: packing weights
     that already hold q · scale gives the same q and scale. Returns the bytes the packed copies add."""
     from .layers import AttentionProjections, MLP
