@@ -113,9 +113,15 @@ def _layer_units(prefix_in: str, prefix_out: str, cfg: TransformerConfig, fmt: s
             Unit(f"{a}.o_proj", (f"{a}.o_proj",), ("",), "replicated", True, quantize, None, ab),
             Unit(f"{prefix_in}.post_attention_layernorm.weight", (f"{prefix_in}.post_attention_layernorm.weight",), ("",), "replicated", False),
         ]
-        if experts:  # the module's own tensors, unquantized (convert refuses quantized HF output for them)
+        if experts:
+            # The module's own tensors, as ModelOpt's HF export keeps them (docs/research/modelopt-gpt-oss-hf-export.md):
+            # the router never quantized; `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H] fused and input-major, each
+            # quantized as one tensor (`experts` > 0 marks them: convert._ModelWriter writes them whole); biases as they are.
             units.append(Unit(f"{m}.router", (f"{m}.router",), ("",), "replicated", True, False, None, True))
-            units += [Unit(f"{m}.experts.{t}", (f"{m}.experts.{t}",), ("",), "replicated", False) for t in EXPERT_TENSORS]
+            for t in EXPERT_TENSORS:
+                stack = not t.endswith("_bias") and quantize
+                units.append(Unit(f"{m}.experts.{t}", (f"{m}.experts.{t}",), ("",), "replicated", False, stack, None, False,
+                                  experts if stack else 0))
             return units
         units += [
             Unit(f"{m}.gate_proj", (f"{m}.gate_proj",), ("",), "replicated", True, quantize, f"{prefix_in}.mlp", mb),
@@ -598,16 +604,19 @@ def merge_engine_checkpoint(parts: Path, dest: Path) -> list[str]:
     return files
 
 
-def quantized_hf_config_json(source: dict[str, Any], is_target: bool, dtype: torch.dtype, quant: str, kv_quant: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def quantized_hf_config_json(source: dict[str, Any], is_target: bool, dtype: torch.dtype, quant: str, kv_quant: str,
+                             routers: list[str] = ()) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """ModelOpt's unified quantized-HF configs for one model: the source config.json plus `quantization_config`, and
     hf_quant_config.json (None when nothing is quantized), with the keys and values ModelOpt 0.47's
-    export_hf_checkpoint writes (tests/test_convert_modelopt.py)."""
-    raw = dict(source)
+    export_hf_checkpoint writes (tests/test_convert_modelopt.py). `routers`: an MoE target's router modules, which
+    ModelOpt lists as excluded (they are not nn.Linear, so never quantized). A source's own `quantization_config`
+    (a released gpt-oss's MXFP4) is dropped: the tensors written are not in that format."""
+    raw = {k: v for k, v in source.items() if k != "quantization_config"}
     raw["torch_dtype"] = STR_DTYPES[dtype]
     if quant == "none" and kv_quant == "none":
         return raw, None
     entry = producer()
-    exclude = list(EXCLUDED_MODULES) + (["model.embed_tokens"] if is_target else [])
+    exclude = list(EXCLUDED_MODULES) + (["model.embed_tokens"] if is_target else []) + list(routers)
     hf_quant: dict[str, Any] = {"quant_algo": QUANT_ALGOS[quant], "kv_cache_quant_algo": QUANT_ALGOS[kv_quant]}
     if quant == "nvfp4":
         hf_quant["group_size"] = NVFP4_BLOCK
@@ -624,6 +633,15 @@ def quantized_hf_config_json(source: dict[str, Any], is_target: bool, dtype: tor
 
 # ----------------------------------------------------------------------------------------------------
 # ModelOpt's quantized-HF format back (what `convert --format hf` writes)
+
+
+def dequantize_expert_stack(q: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """An expert stack of ModelOpt's HF export back to [E, in, out]: FP8 (`scale` one scalar for the stack), or NVFP4
+    (`q` [E, in/2, out] uint8 with the nibbles paired along the inputs, `scale` the block scales [E, in/16, out],
+    `scale_2` the stack's global scale): the output-major layout the NVFP4 formulas read is the transpose."""
+    if scale_2 is None:
+        return dequantize_fp8(q, scale, dtype)
+    return dequantize_nvfp4(q.transpose(-1, -2), scale.transpose(-1, -2), scale_2, dtype).transpose(-1, -2).contiguous()
 
 
 def is_quantized_hf(directory: str | Path) -> bool:
@@ -646,11 +664,14 @@ def quantized_hf_source(directory: str | Path, dtype: torch.dtype) -> InMemorySo
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for name in ckpt.keys():
-        if name.endswith(tuple("." + s for s in names) + (".k_scale", ".v_scale")):
+        if name.endswith(tuple("." + s for s in names) + tuple("_" + s for s in names) + (".k_scale", ".v_scale")):
             continue
         t = ckpt.get(name)
         module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module is not None and f"{module}.{names.weight}" in ckpt:
+        if f"{name}_{names.weight}" in ckpt:  # a fused expert stack (gpt-oss's gate_up_proj / down_proj), [E, in, out]
+            t = dequantize_expert_stack(t, ckpt.get(f"{name}_{names.weight}"), ckpt.get(f"{name}_{names.weight_2}")
+                                        if algo == QUANT_ALGOS["nvfp4"] else None, dtype)
+        elif module is not None and f"{module}.{names.weight}" in ckpt:
             scale = ckpt.get(f"{module}.{names.weight}")
             if algo == QUANT_ALGOS["nvfp4"]:
                 t = dequantize_nvfp4(t, scale, ckpt.get(f"{module}.{names.weight_2}"), dtype)

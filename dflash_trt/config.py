@@ -333,9 +333,11 @@ def _gpt_oss_fields(reader: _Reader, num_layers: int) -> dict[str, Any]:
     quant = reader.raw.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        if method != "mxfp4":  # the released checkpoints' format (experts only; checkpoint_formats.Mxfp4Source reads it)
+        # mxfp4: the released checkpoints' format (experts only; checkpoint_formats.Mxfp4Source reads it); modelopt: ModelOpt's
+        # unified HF export, FP8 / NVFP4 (checkpoint_formats.quantized_hf_source reads it, with its hf_quant_config.json)
+        if method not in ("mxfp4", "modelopt"):
             raise reader.error("quantization_config", f"quantized gpt-oss checkpoints (quant_method {method!r}) are not supported; "
-                                                      "use the released MXFP4 or BF16 weights")
+                                                      "use the released MXFP4 or BF16 weights, or ModelOpt's FP8 / NVFP4 export")
     num_experts = reader.int("num_local_experts")
     top_k = reader.int("num_experts_per_tok")
     if top_k > num_experts:

@@ -218,6 +218,11 @@ class _ModelWriter:
         expected: dict[str, int] = {}
         stacked: dict[str, tuple[int, ...]] = {}
         for unit in self.units:
+            if self._hf_stack(unit):
+                planned, shapes = self._plan_hf_stack(unit)
+                tensors.update(planned)
+                stacked.update(shapes)
+                continue
             shapes = [self.ckpt.shape(self._src(unit, s)) for s in unit.sources]
             rows = sum(s[0] for s in shapes) if unit.split != "qkv" else None
             rows = out_rows(unit, shapes[0][0] if rows is None else rows, self.cfg, self.tp)
@@ -253,6 +258,67 @@ class _ModelWriter:
             for kv in self.kv_units:
                 tensors.update(self.kv_scheme.tensors(kv))
         return tensors, expected, stacked
+
+    # -- ModelOpt's HF layout of a fused expert stack (gpt-oss) ---------------------------------------
+
+    def _hf_stack(self, unit: Unit) -> bool:
+        """An expert stack kept whole and quantized as one tensor (checkpoint_formats._layer_units, HF format)."""
+        return self.fmt == "hf" and unit.experts > 0 and unit.quantized and self.quant != "none"
+
+    def _plan_hf_stack(self, unit: Unit) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, tuple[int, ...]]]:
+        """Its tensors as ModelOpt 0.47's export_hf_checkpoint writes them (docs/research/modelopt-gpt-oss-hf-export.md):
+        FP8 `X` [E, in, out] e4m3 + scalar `X_weight_scale`, `X_input_scale`; NVFP4 `X` [E, in/2, out] uint8 (the
+        nibbles paired along the inputs), `X_weight_scale` [E, in/16, out] e4m3, scalar `X_weight_scale_2`,
+        `X_input_scale`. Planned as 2-D rows (E·rows, out), stored 3-D."""
+        E, n_in, n_out = self.ckpt.shape(unit.sources[0])
+        x, sn = unit.out, self.sn
+        if self.quant == "fp8":
+            parts = {x: (torch.float8_e4m3fn, n_in)}
+            scalars = (sn.weight, sn.input)
+        else:
+            parts = {x: (torch.uint8, n_in // 2), f"{x}_{sn.weight}": (torch.float8_e4m3fn, n_in // BLOCK)}
+            scalars = (sn.weight_2, sn.input)
+        tensors = {n: (dt, (E * rows, n_out)) for n, (dt, rows) in parts.items()}
+        tensors.update({f"{x}_{suffix}": (torch.float32, ()) for suffix in scalars})
+        return tensors, {n: (E, rows, n_out) for n, (_, rows) in parts.items()}
+
+    def _write_hf_stack(self, writer: SafetensorsWriter, unit: Unit, progress) -> None:
+        """One pass over the experts for the stack's amax (one scale for all of them, as ModelOpt's one quantizer per
+        tensor), one to encode each expert output-major (blocks along its inputs) and store it transposed back."""
+        name, x, sn = unit.sources[0], unit.out, self.sn
+        E = self.ckpt.shape(name)[0]
+        file = self.ckpt.file_of(name)
+
+        def experts():
+            for e in range(E):
+                w = self.ckpt.expert_matrix(name, e)  # [out, in]
+                yield e, w, check_finite(w, file, name, row_offset=e)
+
+        weight_amax = max(a for _, _, a in experts()) or 1.0  # an all-zero stack quantizes to zeros under any scale
+        calib = name.rsplit(".", 1)[0] + (".down" if name.endswith("down_proj") else ".up")
+        act = max(self.amax.get(calib, 0.0), self.amax.get(calib[: -len(".up")] + ".gate", 0.0) if calib.endswith(".up") else 0.0)
+        if act <= 0.0:
+            raise ConfigError(f"calibration recorded no input to {name}'s experts (is the calibration set empty?)", key=f"{self.name}.{calib}")
+        per_expert = math.prod(self.ckpt.shape(name)) * max(self.ckpt.dtype(name).itemsize, 1) // E
+        if self.quant == "fp8":
+            scale = fp8_scale(weight_amax)
+            writer.write(f"{x}_{sn.weight}", scale.reshape(()))
+            writer.write(f"{x}_{sn.input}", fp8_scale(act).reshape(()))
+        else:
+            scale = nvfp4_global_scale(weight_amax)
+            writer.write(f"{x}_{sn.weight_2}", scale)
+            writer.write(f"{x}_{sn.input}", nvfp4_activation_scale(act))
+        for e, w, _ in experts():
+            self.stats.bytes_read += w.numel() * w.element_size()
+            if self.quant == "fp8":  # fp32 quotients: ModelOpt's expert export does not round them to bf16 as its linears' does
+                q = quantize_fp8(w, scale)
+                writer.write_rows(x, e * w.shape[1], q.t().contiguous())
+            else:
+                packed, blocks = quantize_nvfp4(w, scale)
+                writer.write_rows(x, e * (w.shape[1] // 2), packed.t().contiguous())
+                writer.write_rows(f"{x}_{sn.weight}", e * (w.shape[1] // BLOCK), blocks.t().contiguous())
+            if progress is not None:
+                progress.update(per_expert)
 
     # -- scales ------------------------------------------------------------------------------------
 
@@ -331,6 +397,9 @@ class _ModelWriter:
     def write(self, writers: list[SafetensorsWriter], progress: Any | None) -> None:
         tp = self.tp
         for unit in self.units:
+            if self._hf_stack(unit):
+                self._write_hf_stack(writers[0], unit, progress)
+                continue
             out_w = unit.out + ".weight" if unit.linear else unit.out
             scheme = self._scheme_of(unit)
             if scheme is not self.plain:
@@ -427,9 +496,9 @@ def check_conversion(target_dir: str | Path, drafter_dir: str | Path | None, *, 
             _check_tp(cfg, tp, quant)
             if quant == "nvfp4" and cfg.hidden_size % BLOCK:
                 raise ConfigError(f"NVFP4 needs hidden_size to be a multiple of {BLOCK}", file=cfg.path, key="hidden_size")
-    if t_cfg.num_experts and fmt == "hf" and quant != "none":
-        raise ConfigError(f"a quantized-HF export of {t_cfg.architecture}'s fused experts is not written yet; use --format trtllm or engine "
-                          "(FP8 / NVFP4 experts), or --quant none", key="--quant")
+    if t_cfg.num_experts and fmt == "hf" and quant == "nvfp4" and t_cfg.intermediate_size % BLOCK:  # down_proj's inputs (unpadded)
+        raise ConfigError(f"NVFP4 needs intermediate_size to be a multiple of {BLOCK} (the experts' down_proj inputs)",
+                          file=t_cfg.path, key="intermediate_size")
     return t_cfg, d_cfg
 
 
@@ -631,7 +700,9 @@ def _write_config(sub: Path, name: str, cfg, t_cfg: TargetConfig, fmt: str, dtyp
         raw = target_config_json(cfg, dtype, tp, quant, kv_quant) if name == "target" else drafter_config_json(cfg, t_cfg, dtype, tp, quant, kv_quant)
         (sub / "config.json").write_text(json.dumps(raw, indent=4) + "\n")
         return
-    raw, hf_quant = quantized_hf_config_json(json.loads((Path(src_dir) / "config.json").read_text()), name == "target", dtype, quant, kv_quant)
+    routers = [f"model.layers.{i}.mlp.router" for i in range(cfg.num_layers)] if name == "target" and getattr(cfg, "num_experts", 0) else []
+    raw, hf_quant = quantized_hf_config_json(json.loads((Path(src_dir) / "config.json").read_text()), name == "target", dtype, quant,
+                                             kv_quant, routers)
     if hf_quant is not None:
         (sub / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4) + "\n")
     (sub / "config.json").write_text(json.dumps(raw, indent=2) + "\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -50,6 +51,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--shard-size", type=int, default=64, help="sequences per shard (a shard is written, and a rerun resumes, per shard)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--order", choices=["shuffled", "domain"], default="shuffled",
+                    help="shuffled: the mix's prompts in one seeded random order, so a run stopped after a few shards "
+                         "still holds every domain in proportion; domain: each domain's prompts in turn")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16 doubles batched throughput on AMX CPUs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -61,8 +65,17 @@ def main() -> None:
     for item in args.mix.split(","):
         domain, count = item.split("=")
         prompts += load_train_prompts(domain, int(count), seed=0)
+    if args.order == "shuffled":
+        random.Random(0).shuffle(prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "info.json").exists():  # a rerun resumes by shard index: the shards must hold the same prompts
+        old = json.loads((out / "info.json").read_text())
+        old.setdefault("order", "domain")  # written before --order existed
+        for key, now in (("mix", args.mix), ("order", args.order), ("layer_ids", layer_ids), ("max_new_tokens", args.max_new_tokens)):
+            if old.get(key, now) != now:
+                raise SystemExit(f"{out / 'info.json'}: {key} = {old.get(key)!r}, this run {now!r}; a resumed run must "
+                                 f"generate the same prompts (another --out, or the same options)")
 
     target = load_target(args.target, dtype=DTYPES[args.dtype])
     eos = generation_eos_ids(args.target, tok)
@@ -107,7 +120,7 @@ def main() -> None:
 def write_info(out: Path, args, layer_ids: list[int], sequences: int, total_tokens: int, start: float) -> None:
     """info.json after every shard: a stopped run leaves data the trainers read (the shards written so far)."""
     (out / "info.json.tmp").write_text(json.dumps({
-        "target": str(args.target), "layer_ids": layer_ids, "mix": args.mix, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+        "target": str(args.target), "layer_ids": layer_ids, "mix": args.mix, "order": args.order, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
         "sequences": sequences, "generated_tokens": total_tokens, "wall_s": round(time.time() - start, 1),
     }, indent=2))
     (out / "info.json.tmp").replace(out / "info.json")

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import write_target
+from test_gpt_oss import write_gpt_oss
 from dflash_trt.convert import convert
 from dflash_trt.quant.calibrate import calibrate
 from dflash_trt.loading import load_torch_backend
@@ -73,13 +74,14 @@ def targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("modelopt")
     llama = write_target(root / "llama", hidden_size=64, intermediate_size=128, torch_dtype="bfloat16")
     qwen = write_target(root / "qwen", arch="qwen3", head_dim=16, hidden_size=64, intermediate_size=128)
+    gpt_oss = write_gpt_oss(root / "gpt-oss", seed=3)  # experts fused: gate_up_proj [E, H, 2I], down_proj [E, I, H]
     # the weights as bf16 in both pipelines: ModelOpt quantizes what the bf16 model holds
-    for d in (llama, qwen):
+    for d in (llama, qwen, gpt_oss):
         state = load_file(str(d / "model.safetensors"))
         from safetensors.torch import save_file
 
         save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, str(d / "model.safetensors"))
-    return {"llama": llama, "qwen": qwen}
+    return {"llama": llama, "qwen": qwen, "gpt-oss": gpt_oss}
 
 
 @pytest.mark.parametrize(
@@ -92,6 +94,9 @@ def targets(tmp_path_factory):
         ("qwen", "nvfp4", False, 2, "trtllm"),
         ("llama", "fp8", True, 1, "hf"),
         ("llama", "nvfp4", True, 1, "hf"),
+        # gpt-oss: the experts as ModelOpt keeps them (one quantizer per stack), routers excluded, sinks untouched
+        ("gpt-oss", "fp8", True, 1, "hf"),
+        ("gpt-oss", "nvfp4", False, 1, "hf"),
     ],
 )
 def test_matches_modelopt(targets, tmp_path, arch, quant, kv, tp, fmt):

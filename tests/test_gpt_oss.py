@@ -135,11 +135,40 @@ def test_speculative_greedy_equals_transformers_greedy_on_gpt_oss(lossless_setup
     assert backend.drafter_cache.num_free_pages == backend.drafter_cache.num_pages
 
 
+@pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
+def test_gpt_oss_quantized_hf_export_loads_like_trtllm_and_runs_lossless(lossless_setup, tmp_path, quant):
+    """--format hf keeps the experts fused (ModelOpt's layout; tests/test_convert_modelopt.py checks its bytes against
+    ModelOpt's own export), --format trtllm splits them into TensorRT-LLM's fc / proj rows: from the same calibration
+    both read back to the very same dequantized weights (one scale per stack in both; FP8's q/k/v aside: TensorRT-LLM's
+    fused qkv holds one weight scale, ModelOpt's HF export one per projection), and DFlash on the HF export decodes what
+    plain decoding of it does."""
+    from dflash_trt.loading import load_drafter, load_torch_backend
+    from dflash_trt.quant.calibrate import calibrate
+
+    target_dir, drafter_dir, prompts, _, _ = lossless_setup
+    amax = calibrate(load_torch_backend(target_dir, drafter_dir), prompts[:2], max_new_tokens=4, progress=False)
+    for fmt in ("trtllm", "hf"):
+        convert(target_dir, drafter_dir, tmp_path / fmt, dtype="fp32", quant=quant, fmt=fmt, amax=amax, **QUIET)
+    a, b = load_target(tmp_path / "trtllm" / "target"), load_target(tmp_path / "hf" / "target")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if not (quant == "fp8" and k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))):
+            assert torch.equal(sa[k], sb[k]), k
+    assert not torch.equal(sb["model.layers.0.mlp.experts.gate_up_proj"], load_target(target_dir).state_dict()["model.layers.0.mlp.experts.gate_up_proj"])
+    params = SamplingParams(max_new_tokens=16)
+    plain = Generator(TorchBackend(b, None, num_pages=128, page_size=4), max_batch=3).generate(prompts[:3], params)
+    spec = Generator(TorchBackend(b, load_drafter(tmp_path / "hf" / "drafter", b.cfg), num_pages=128, page_size=4, block_size=8),
+                     max_batch=3).generate(prompts[:3], params)
+    assert [o.output_ids for o in spec] == [o.output_ids for o in plain]
+
+
 def test_gpt_oss_unsupported_paths_fail_with_config_errors(tmp_path, lossless_setup):
     target_dir, drafter_dir, _, _, target = lossless_setup
-    with pytest.raises(ConfigError, match="quantized-HF export") as e:
-        convert(target_dir, drafter_dir, tmp_path / "out", fmt="hf", quant="fp8", amax={"target": {}, "drafter": {}}, **QUIET)
-    assert e.value.key == "--quant" and not (tmp_path / "out").exists()
+    odd = write_gpt_oss(tmp_path / "odd", seed=2, intermediate_size=40)  # down_proj's 40 inputs: not whole NVFP4 blocks
+    with pytest.raises(ConfigError, match="multiple of 16") as e:
+        convert(odd, None, tmp_path / "out", fmt="hf", quant="nvfp4", amax={"target": {}, "drafter": {}}, **QUIET)
+    assert e.value.key == "intermediate_size" and not (tmp_path / "out").exists()
     raw = json.loads((target_dir / "config.json").read_text())
     quantized = tmp_path / "mxfp4"
     quantized.mkdir()

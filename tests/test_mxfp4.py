@@ -162,3 +162,62 @@ def test_a_released_layout_target_converts_and_its_nvfp4_experts_are_modelopts_m
                 assert torch.equal(f.get_tensor(o + ".weight"), packed.view(torch.uint8)), o
                 assert torch.equal(f.get_tensor(o + ".weights_scaling_factor").view(torch.uint8), block), o
                 assert torch.equal(f.get_tensor(o + ".weights_scaling_factor_2").reshape(()), scale_2.float().reshape(())), o
+
+
+@pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
+def test_a_released_layout_target_exports_to_modelopts_quantized_hf_and_reads_back(tmp_path, quant):
+    """MXFP4 in, ModelOpt's unified HF format out (`--format hf`, issue 19 item 2): the experts stay fused and
+    input-major as ModelOpt keeps them. nvfp4: each stack is byte for byte ModelOpt's `quantize_mxfp4_to_nvfp4` of the
+    released blocks + scales, stored [E, in/2, out] (its transpose); fp8: e4m3 of the dequantized stack over one scale
+    amax/448. The released `quantization_config` (mxfp4) is replaced by ModelOpt's, the routers are excluded, and
+    the runtime reads the export back to the stacks dequantized by the formats' definitions."""
+    from dflash_trt.convert import convert
+    from dflash_trt.quant import dequantize_fp8, dequantize_nvfp4
+
+    export = pytest.importorskip("modelopt.torch.export.shard_cast_utils")
+    released, twin = write_released_layout(tmp_path, seed=11)
+    out = tmp_path / "out"
+    convert(released, None, out, dtype="bf16", quant=quant, fmt="hf", calib_prompts=[[5, 9, 14, 3, 77, 41]], calib_max_new_tokens=4,
+            progress=False, log=lambda *_: None)
+    config = json.loads((out / "target" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "modelopt"
+    hf_quant = json.loads((out / "target" / "hf_quant_config.json").read_text())["quantization"]
+    assert hf_quant["exclude_modules"] == ["lm_head", "model.embed_tokens"] + [f"model.layers.{i}.mlp.router" for i in range(4)]
+    ours = load_file(str(out / "target" / "model.safetensors"))
+    stored = load_file(str(next(released.glob("*.safetensors"))))
+    twin_state = load_target(twin).state_dict()
+    back = load_target(out / "target", dtype=torch.float32).state_dict()
+    for layer in range(4):
+        for t in ("gate_up_proj", "down_proj"):
+            x = f"model.layers.{layer}.mlp.experts.{t}"
+            assert x + "_blocks" not in ours and ours[x + "_bias"].dtype == torch.bfloat16
+            w = twin_state[x]  # [E, in, out], the released stack dequantized
+            if quant == "nvfp4":
+                packed, block, scale_2, _ = export.quantize_mxfp4_to_nvfp4(stored[x + "_blocks"].flatten(-2), stored[x + "_scales"], None, "cpu")
+                assert torch.equal(ours[x], packed.view(torch.uint8).transpose(1, 2)), x
+                assert torch.equal(ours[x + "_weight_scale"].view(torch.uint8), block.view(torch.uint8).transpose(1, 2)), x
+                assert torch.equal(ours[x + "_weight_scale_2"], scale_2.float().reshape(())), x
+                want = dequantize_nvfp4(packed.view(torch.uint8), block, scale_2.float().reshape(())).transpose(1, 2)
+            else:
+                scale = w.abs().max() / 448
+                assert torch.equal(ours[x + "_weight_scale"], scale.reshape(())), x
+                q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+                assert torch.equal(ours[x].view(torch.uint8), q.view(torch.uint8)), x
+                want = dequantize_fp8(q, scale)
+            assert ours[x + "_input_scale"].shape == () and ours[x + "_input_scale"] > 0
+            assert torch.equal(back[x], want), x
+
+
+def test_an_unquantized_hf_export_of_a_released_layout_drops_its_mxfp4_config(tmp_path):
+    """`--format hf --quant none` writes the experts dequantized: the released `quantization_config` (mxfp4) must not
+    travel with them, or transformers reads the bf16 stacks as MXFP4 blocks. transformers loads the export to the twin."""
+    from dflash_trt.convert import convert
+
+    released, twin = write_released_layout(tmp_path, seed=1)
+    convert(released, None, tmp_path / "out", dtype="fp32", quant="none", fmt="hf", progress=False, log=lambda *_: None)
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "target" / "config.json").read_text())
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "target", dtype=torch.float32).state_dict()
+    want = transformers.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).state_dict()
+    assert ours.keys() == want.keys()
+    for name in want:
+        assert torch.equal(ours[name], want[name]), name
