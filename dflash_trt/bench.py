@@ -23,6 +23,7 @@ from .peers import PEERS, PLD_TOKENS
 from .prompts import EVAL_DOMAINS, load_eval_prompts
 from .runtime import Generator
 from .sampling import SamplingParams
+from .tree import TreeSpec
 
 
 HF_BASELINE = "hf-greedy"  # peers.TransformersPeer: transformers fp32 greedy, what the peers' speedups are over
@@ -35,6 +36,7 @@ class Method:
     max_verify_tokens: int | None = None  # the Generator's verify budget (None: full blocks at any batch)
     step_cost: object = None  # draft_length.StepCost: draft length chosen per step (a fresh policy each run)
     peer: object = None  # peers.TransformersPeer / LlamaCppPeer: someone else's decoder (batch 1 only; backend None)
+    tree: object = None  # tree.TreeSpec: tree verification of the DFlash pass instead of the chain
 
 
 def _run(method: Method, prompts: list[list[int]], eos, max_new: int, concurrency: int):
@@ -47,7 +49,8 @@ def _run(method: Method, prompts: list[list[int]], eos, max_new: int, concurrenc
         from .draft_length import DraftLengthPolicy
 
         policy = DraftLengthPolicy(method.step_cost, method.backend.max_drafts)
-    gen = Generator(method.backend, eos_token_ids=eos, max_batch=concurrency, max_verify_tokens=method.max_verify_tokens, draft_policy=policy)
+    gen = Generator(method.backend, eos_token_ids=eos, max_batch=concurrency, max_verify_tokens=method.max_verify_tokens, draft_policy=policy,
+                    tree=method.tree)
     start = time.perf_counter()
     outs = gen.generate(prompts, SamplingParams(max_new_tokens=max_new))
     return outs, time.perf_counter() - start
@@ -297,7 +300,8 @@ COLUMNS_EXPLAINED = [
     "Methods: `ar` plain greedy decoding (one target step per token); `eagle3` the EAGLE-3-style baseline drafter "
     "(a chain drafted token by token); `dflash` the DFlash drafter, one block per step at the fixed width; `dflash-auto` "
     "DFlash with each step's draft length chosen from the measured step cost and the running acceptance (0 drafts "
-    "= plain decoding when drafting cannot pay). Peers (`--peer`, batch 1 only): `hf-greedy` transformers' `generate` greedy "
+    "= plain decoding when drafting cannot pay); `dflash-treeN` (`--tree`) tree verification of N drafts per step from each "
+    "block slot's top-k, greedy. Peers (`--peer`, batch 1 only): `hf-greedy` transformers' `generate` greedy "
     "in fp32 (the baseline of 'vs HF fp32 greedy'), `hf-pld` the same with prompt lookup decoding "
     f"(`prompt_lookup_num_tokens={PLD_TOKENS}`), `llama.cpp` llama-cpp-python greedy on the Q4_1 GGUF the target was "
     "dequantized from. With `--cpu-weights int8`: `ar-dense` plain decoding on the weights before int8 (its = AR output "
@@ -351,6 +355,20 @@ def plot(results: dict, methods: list[str], path: Path) -> bool:
     return True
 
 
+def _tree_sizes(flag: str | None, max_drafts: int) -> list[int]:
+    """`--tree 3,7,15` → [3, 7, 15], each checked against the block (one error naming the flag)."""
+    if not flag:
+        return []
+    try:
+        sizes = [int(n) for n in flag.split(",") if n]
+    except ValueError:
+        raise ConfigError(f"--tree takes comma-separated node counts, got {flag!r}", key="--tree") from None
+    for n in sizes:
+        if not 1 <= n <= max_drafts:
+            raise ConfigError(f"a verification tree of {n} nodes does not fit the verify block: 1 to {max_drafts} (block_size - 1)", key="--tree")
+    return sizes
+
+
 def cmd_bench(args) -> int:
     from .loading import DTYPES, check_dir, encode_prompt, generation_eos_ids, load_drafter, load_eagle_drafter, load_target, load_tokenizer, weights_label
     from .config import load_target_config
@@ -390,6 +408,8 @@ def cmd_bench(args) -> int:
             policy = auto_policy(dflash, identity, max(concurrency + [1]), progress=not args.quiet)
             if policy is not None:
                 methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, policy.cost))
+        for nodes in _tree_sizes(args.tree, dflash.max_drafts):
+            methods.append(Method(f"dflash-tree{nodes}", dflash, args.max_verify_tokens, tree=TreeSpec(nodes, args.tree_top_k)))
     if weights != "dense":  # the same decoding on the dense weights: how often int8 changes the greedy output, and its speed
         methods.append(Method("ar-dense", TorchBackend(load_target(args.target, dtype=DTYPES[args.dtype]), None, num_pages=pages)))
     if args.peer:
@@ -436,6 +456,9 @@ def register_cli(sub) -> None:
     b.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt at most")
     b.add_argument("--draft-length", choices=["auto", "fixed"], default="auto",
                    help="auto: also run 'dflash-auto', DFlash with each step's draft length from the step-cost calibration (see generate)")
+    b.add_argument("--tree", metavar="N[,N...]", help="also run 'dflash-treeN': tree verification (greedy) of N draft tokens from each "
+                                                     "slot's top-k (see generate --tree), once per N")
+    b.add_argument("--tree-top-k", type=int, default=4, metavar="K", help="candidates kept per block slot for --tree")
     b.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated batch sizes for the sweep ('' to skip)")
     b.add_argument("--peer", action="append", choices=PEERS, default=[],
                    help="also run a peer at batch 1 (repeatable): transformers (generate, greedy and prompt lookup, fp32) or "

@@ -12,6 +12,7 @@ import torch
 from . import __version__, bench, convert, deploy, fetch, plan
 from .errors import ConfigError, DFlashError
 from .flags import HELP_FORMAT, positive_int
+from .tree import add_tree_flags, tree_from_args
 from .loading import (
     DTYPES, add_cpu_weights_flag, add_model_flags, add_tp_flags, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer,
     load_torch_backend, load_tp_backend, prepare_on_rank_0, read_prompts, requested_drafter, weights_label,
@@ -45,7 +46,7 @@ def draft_policy(args, backend, target, drafter, num_prompts: int):
     TP every rank must draft the same, and timings differ between ranks."""
     from .draft_length import auto_policy, calibration_identity
 
-    if args.draft_length != "auto" or args.block_size or backend.max_drafts == 0:
+    if args.draft_length != "auto" or args.block_size or backend.max_drafts == 0 or getattr(args, "tree", None) is not None:
         return None
     identity = calibration_identity(target, drafter, weights_label(args.dtype, args.cpu_weights), getattr(args, "drafter_type", "dflash"),
                                     backend.block_size)
@@ -105,10 +106,18 @@ def run_generation(args, backend, tokenizer, prompts: list[list[int]], eos, max_
     from .sampling import SamplingParams
 
     printer = tp is None or tp.rank == 0
+    tree = tree_from_args(args) if backend.max_drafts else None
+    if tree is not None and tp is not None:
+        raise ConfigError("--tree runs in one process only (not under tensor parallelism yet)", key="--tree")
+    if tree is not None and getattr(args, "drafter_type", "dflash") != "dflash":
+        raise ConfigError("--tree needs a DFlash drafter (one pass scores every slot of the block); the eagle3 baseline drafts a chain",
+                          key="--tree")
     gen = Generator(backend, eos_token_ids=eos, max_batch=min(args.max_batch, len(prompts)), max_seq_len=max_seq_len,
-                    max_verify_tokens=args.max_verify_tokens, draft_policy=policy)
+                    max_verify_tokens=args.max_verify_tokens, draft_policy=policy, tree=tree)
     if policy is not None:
         mode += ", draft length auto"
+    if tree is not None:
+        mode += f", tree {tree.nodes} nodes top-{tree.top_k}"
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, ignore_eos=args.ignore_eos,
@@ -232,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-length", choices=["auto", "fixed"], default="auto",
                    help="auto: each step drafts the count that maximises expected tokens/s, from a step-cost calibration "
                         "(measured once, cached) and the running acceptance, down to plain decoding; fixed: always block_size - 1")
+    add_tree_flags(g)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens (generate --max-new-tokens each)")
     g.add_argument("--no-chat-template", action="store_true", help="encode prompts as plain text, without the tokenizer's chat template")
     g.add_argument("--quiet", action="store_true", help="print only the final statistics")

@@ -7,7 +7,7 @@ of a flat pool `[num_layers, num_pages * page_size, num_kv_heads, head_dim]`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -146,6 +146,7 @@ class AttentionBatch:
     kv_valid: torch.Tensor  # [B, Lk] bool
     kv_pos: torch.Tensor  # [B, Lk]
     q_lens: list[int]
+    tree: torch.Tensor | None = None  # [B, Lq, Lk] bool: which keys each query may see (tree verification), or None
     _masks: dict = field(default_factory=dict)
 
     @staticmethod
@@ -180,6 +181,28 @@ class AttentionBatch:
             q_lens=list(q_lens),
         )
 
+    def as_tree(self, parents: list[list[int]]) -> "AttentionBatch":
+        """This batch with each sequence's new tokens laid out as a tree (tree.py; `parents[b]` has q_lens[b]
+        entries, the root first): a node sits at position q_start + its depth (RoPE and windows use it), and
+        sees the cached keys and its own ancestors among the new keys, not its siblings or cousins. The K/V
+        still go to the new tokens' own slots, in node order."""
+        from .tree import ancestors, depths
+
+        positions, q_pos = self.positions.clone(), self.q_pos.clone()
+        kv_pos = self.kv_pos.clone(memory_format=torch.contiguous_format)  # build() hands out an expanded view
+        visible = self.kv_valid[:, None, :].expand(-1, self.q_pos.shape[1], -1).clone()
+        offset = 0
+        for b, par in enumerate(parents):
+            n = self.q_lens[b]
+            if len(par) != n:
+                raise ValueError(f"sequence {b} of the batch has {n} new tokens but {len(par)} tree parents")
+            start = int(self.q_pos[b, 0])
+            at = start + torch.tensor(depths(par), device=positions.device)
+            positions[offset : offset + n], q_pos[b, :n], kv_pos[b, start : start + n] = at, at, at
+            visible[b, :n, start : start + n] = ancestors(par).to(visible.device)
+            offset += n
+        return replace(self, positions=positions, q_pos=q_pos, kv_pos=kv_pos, tree=visible, _masks={})
+
     def mask(self, causal: bool, window: int | None) -> torch.Tensor:
         """[B, 1, Lq, Lk] bool, True where a query may attend a key.
 
@@ -197,6 +220,8 @@ class AttentionBatch:
                 visible &= q - k < window
                 if not causal:
                     visible &= k - q < window
+            if self.tree is not None:
+                visible &= self.tree
             visible[:, :, 0] |= ~self.q_valid
             self._masks[key] = visible[:, None]
         return self._masks[key]

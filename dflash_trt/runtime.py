@@ -11,12 +11,12 @@ import itertools
 import time
 from collections import deque
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import torch
 
-from .errors import KVCacheFullError
+from .errors import ConfigError, KVCacheFullError
 from .sampling import RequestError, SamplingParams, sample, target_probs
 from .speculative import Backend, Sequence, speculative_step
 
@@ -63,6 +63,7 @@ class Generator:
         max_seq_len: int | None = None,
         max_verify_tokens: int | None = None,
         draft_policy=None,
+        tree=None,
     ):
         """`max_verify_tokens`: at most this many tokens in one verify pass over the batch. Each request then
         drafts min(block_size − 1, budget / batch − 1) tokens: full blocks at low concurrency, shorter ones
@@ -70,6 +71,15 @@ class Generator:
         # `draft_policy` (draft_length.DraftLengthPolicy): each step's draft length from the measured step cost and
         # the running acceptance rates, within max_drafts and the verify budget. None: always max_drafts.
         self.draft_policy = draft_policy if use_drafter else None
+        # `tree` (tree.TreeSpec): greedy requests verify a best-first tree of the drafter's per-slot top-k instead
+        # of the chain, as wide as the chain would be (≤ block_size − 1 nodes, within max_verify_tokens).
+        self.tree = tree if use_drafter else None
+        if self.tree is not None:
+            if self.draft_policy is not None:
+                raise ConfigError("tree verification has a fixed width: use it with --draft-length fixed", key="--tree")
+            if not 1 <= self.tree.nodes <= backend.max_drafts:
+                raise ConfigError(f"a verification tree of {self.tree.nodes} nodes does not fit the verify block: at most "
+                                  f"{backend.max_drafts} (block_size - 1)", key="--tree")
         if max_verify_tokens is not None and max_verify_tokens < 1:
             raise RequestError(f"max_verify_tokens must be >= 1, got {max_verify_tokens}")
         self.max_verify_tokens = max_verify_tokens
@@ -224,7 +234,9 @@ class Generator:
         just_prefilled = {s.seq_id for s in admitted}
         decoding = [r.seq for r in self._running.values() if r.seq.seq_id not in just_prefilled]
         if decoding:
-            offered, accepted = speculative_step(self.backend, decoding, self.drafts_per_request(len(decoding)))
+            k = self.drafts_per_request(len(decoding))
+            tree = None if self.tree is None or k == 0 else replace(self.tree, nodes=min(self.tree.nodes, k))
+            offered, accepted = speculative_step(self.backend, decoding, k, tree)
             if self.draft_policy is not None:
                 for s, n, a in zip(decoding, offered, accepted):
                     if s.finish_reason is None:  # observe only steps the stop rules did not cut

@@ -56,6 +56,10 @@ class Backend(Protocol):
     def draft(self, seq_ids: list[int], last_tokens: list[int], num_drafts: list[int]) -> list[list[int]]: ...
     def verify(self, seq_ids: list[int], blocks: list[list[int]], need_logits: list[bool] | None = None) -> list[Scores]: ...  # n_b rows
     def commit(self, seq_ids: list[int], num_kept: list[int]) -> None: ...
+    # Tree verification (tree.py; a backend that cannot do it raises ConfigError naming --tree):
+    def draft_candidates(self, seq_ids: list[int], last_tokens: list[int], num_drafts: list[int], top_k: int) -> list[tuple[list[list[int]], list[list[float]]]]: ...
+    def verify_tree(self, seq_ids: list[int], blocks: list[list[int]], parents: list[list[int]], need_logits: list[bool] | None = None) -> list[Scores]: ...
+    def commit_paths(self, seq_ids: list[int], paths: list[list[int]]) -> None: ...  # keep these rows of the last pass
 
 
 @dataclass
@@ -117,12 +121,16 @@ def rejection_accept(drafts: list[int], probs: torch.Tensor, generator: torch.Ge
     return len(drafts), sample(probs[len(drafts)], generator)
 
 
-def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int) -> tuple[list[int], list[int]]:
+def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int, tree=None) -> tuple[list[int], list[int]]:
     """One draft → verify → accept → commit step for every sequence in `seqs` (none finished); returns, per
-    sequence, the drafts offered and how many of them the target accepted (before any stop rule)."""
+    sequence, the drafts offered and how many of them the target accepted (before any stop rule).
+    `tree` (tree.TreeSpec): greedy sequences verify a tree of up to `tree.nodes` drafts, depth ≤ max_drafts;
+    sequences that sample verify the chain of the same pass."""
     ids = [s.seq_id for s in seqs]
     # A step commits at most K+1 tokens; never draft past the length limit.
     num_drafts = [max(0, min(max_drafts, s.remaining - 1)) for s in seqs]
+    if tree is not None and any(num_drafts):
+        return _tree_step(backend, seqs, num_drafts, tree)
     if any(num_drafts):
         drafts = backend.draft(ids, [s.last_token for s in seqs], num_drafts)
     else:
@@ -152,3 +160,36 @@ def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int) ->
     for s, d, a, t in zip(seqs, drafts, accepted, next_tokens):
         s.accepted_lengths.append(s.append(d[:a] + [t]))
     return num_drafts, accepted
+
+
+def _tree_step(backend: Backend, seqs: list[Sequence], num_drafts: list[int], spec) -> tuple[list[int], list[int]]:
+    from .tree import accept_tree, build_tree, chain
+
+    ids = [s.seq_id for s in seqs]
+    candidates = backend.draft_candidates(ids, [s.last_token for s in seqs], num_drafts, spec.top_k)
+    blocks, parents = [], []
+    for s, (tokens, logprobs) in zip(seqs, candidates):
+        if s.params.greedy:
+            nodes, par = build_tree(tokens, logprobs, spec.nodes)
+        else:  # exact rejection sampling is defined on the chain here
+            nodes, par = [t[0] for t in tokens], chain(len(tokens))
+        blocks.append([s.last_token] + nodes)
+        parents.append(par)
+    scores = backend.verify_tree(ids, blocks, parents, [not s.params.greedy for s in seqs])
+    offered, accepted = [], []
+    kept_paths, emitted = [], []
+    for s, block, par, sc in zip(seqs, blocks, parents, scores):
+        if s.params.greedy:
+            path, bonus = accept_tree(block, par, sc.tokens.tolist())
+        else:
+            a, bonus = rejection_accept(block[1:], target_probs(sc.logits, s.params), s.generator)
+            path = list(range(a + 1))
+        kept_paths.append(path)
+        emitted.append([block[i] for i in path[1:]] + [bonus])
+        offered.append(len(block) - 1)
+        accepted.append(len(path) - 1)
+    # The root and the kept path's nodes now have K/V in the target cache, moved to consecutive slots.
+    backend.commit_paths(ids, kept_paths)
+    for s, tokens in zip(seqs, emitted):
+        s.accepted_lengths.append(s.append(tokens))
+    return offered, accepted

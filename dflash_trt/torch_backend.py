@@ -16,7 +16,7 @@ import torch
 from .errors import ConfigError
 from .models.drafter import DFlashDrafter
 from .models.eagle import Eagle3Drafter
-from .models.layers import fuse_projections
+from .models.layers import LocalVocab, fuse_projections
 from .models.packed import CPU_WEIGHTS, pack_int8_target
 from .models.target import TargetModel
 from .speculative import Scores
@@ -103,8 +103,10 @@ class TorchBackend:
 
     # -- target passes ------------------------------------------------------------------------
 
-    def _run_target(self, seq_ids: list[int], token_lists: list[list[int]], last_only: bool):
+    def _run_target(self, seq_ids: list[int], token_lists: list[list[int]], last_only: bool, parents: list[list[int]] | None = None):
         batch = self.target_cache.prepare(seq_ids, [len(t) for t in token_lists])
+        if parents is not None:
+            batch = batch.as_tree(parents)
         tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=batch.positions.device)
         rows = torch.tensor(batch.q_lens).cumsum(0) - 1 if last_only else None
         logits, features = self.target(tokens, batch, self.target_cache, self.capture_layers, rows)
@@ -129,15 +131,38 @@ class TorchBackend:
         logits, lens = self._run_target(seq_ids, blocks, last_only=False)
         return self._scores(logits, lens, need_logits)
 
+    @torch.inference_mode()
+    def verify_tree(self, seq_ids: list[int], blocks: list[list[int]], parents: list[list[int]], need_logits: list[bool] | None = None) -> list[Scores]:
+        """`verify` over trees (tree.py): blocks[i] = [last token, node tokens...], parents[i] its parents (root
+        first); row j of a sequence's Scores is the target's distribution after node j's path."""
+        logits, lens = self._run_target(seq_ids, blocks, last_only=False, parents=parents)
+        return self._scores(logits, lens, need_logits)
+
     def commit(self, seq_ids: list[int], num_kept: list[int]) -> None:
         """Keep the first `num_kept` tokens of the last target pass per sequence; roll back the rest."""
+        self.commit_paths(seq_ids, [list(range(n)) for n in num_kept])
+
+    def commit_paths(self, seq_ids: list[int], paths: list[list[int]]) -> None:
+        """Keep, per sequence, the tokens of the last target pass at `paths[i]` (increasing indices into the
+        pass, from 0), as the next tokens of the sequence; roll back the rest. A kept token's K/V moves to the
+        slot of its place in the sequence (a tree's kept path is not contiguous in the pass; its K/V were
+        computed at the right positions, so moving them is exact)."""
         cache = self.target_cache
-        for s, n in zip(seq_ids, num_kept):
-            cache.set_length(s, cache.lengths[s] + n)
+        for s, path in zip(seq_ids, paths):
+            start, n = cache.lengths[s], len(path)
+            if path != list(range(n)):
+                if any(b <= a for a, b in zip(path, path[1:])) or path[0] < 0:
+                    raise ValueError(f"sequence {s}: a kept path must be increasing from 0 or more, got {path}")
+                src = cache.slots(s, start, start + path[-1] + 1)[torch.tensor(path)].to(cache.k.device)
+                dst = cache.slots(s, start, start + n).to(cache.k.device)
+                cache.k[:, dst] = cache.k[:, src]  # the right side is gathered (copied) before the write
+                cache.v[:, dst] = cache.v[:, src]
+            cache.set_length(s, start + n)
             tokens, features = self._last_pass[s]
             if features is not None:
-                self._pending[s].append(features[:n])
-                self._pending_tokens[s].extend(tokens[:n])
+                rows = torch.tensor(path, device=features.device)
+                self._pending[s].append(features[rows] if path != list(range(n)) else features[:n])
+                self._pending_tokens[s].extend(tokens[i] for i in path)
         self._last_pass = {}
 
     # -- drafting -----------------------------------------------------------------------------
@@ -147,7 +172,8 @@ class TorchBackend:
         if isinstance(self.drafter, Eagle3Drafter):
             drafted = self._draft_eagle(seq_ids, last_tokens, num_drafts)
         else:
-            drafted = self._draft_dflash(seq_ids, last_tokens, num_drafts)
+            hidden = self._draft_dflash(seq_ids, last_tokens, num_drafts)
+            drafted = self._per_sequence(self._draft_tokens(hidden).tolist(), num_drafts)
         for s in seq_ids:  # drop draft-time scratch K/V: the cache holds the verified context only
             self.drafter_cache.set_length(s, self.target_cache.lengths[s])
         return drafted
@@ -171,7 +197,8 @@ class TorchBackend:
         for s, n in zip(seq_ids, lens):
             self.drafter_cache.set_length(s, self.drafter_cache.lengths[s] + n)
 
-    def _draft_dflash(self, seq_ids, last_tokens, num_drafts) -> list[list[int]]:
+    def _draft_dflash(self, seq_ids, last_tokens, num_drafts) -> torch.Tensor:
+        """The drafter's final hidden state at every drafted slot, [sum(num_drafts), H], sequences in order."""
         drafter, cache = self.drafter, self.drafter_cache
         # 1. KV injection: the target features of all newly verified tokens, whole batch, one GEMM.
         lens, features, _ = self._take_pending(seq_ids)
@@ -188,12 +215,36 @@ class TorchBackend:
         # Slot j of a block predicts the token at position start + j; slot 0 predicts nothing.
         starts = torch.tensor(sizes).cumsum(0) - torch.tensor(sizes)
         rows = torch.cat([torch.arange(s + 1, s + n) for s, n in zip(starts.tolist(), sizes)])
-        drafted = self._draft_tokens(hidden[rows]).tolist()
+        return hidden[rows]
+
+    @staticmethod
+    def _per_sequence(values: list, num_drafts: list[int]) -> list[list]:
         out, i = [], 0
         for k in num_drafts:
-            out.append(drafted[i : i + k])
+            out.append(values[i : i + k])
             i += k
         return out
+
+    @torch.inference_mode()
+    def draft_candidates(self, seq_ids: list[int], last_tokens: list[int], num_drafts: list[int], top_k: int):
+        """One DFlash pass, keeping each slot's `top_k` best tokens → per sequence (tokens [K][k], log-probs
+        [K][k]) over the draft vocabulary, best first: the input of tree.build_tree."""
+        if not isinstance(self.drafter, DFlashDrafter):
+            raise ConfigError("tree verification needs a DFlash drafter (one pass scores every slot of the block)", key="--tree")
+        if not isinstance(self.vocab, LocalVocab):
+            raise ConfigError("tree verification is not available under tensor parallelism yet (the draft head is vocabulary-parallel)",
+                              key="--tree")
+        if any(num_drafts):
+            hidden = self._draft_dflash(seq_ids, last_tokens, num_drafts)
+            logp = torch.nn.functional.linear(hidden, self._draft_head).float().log_softmax(dim=-1)
+            best, rows = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+            ids = rows if self._draft_ids is None else self._draft_ids[rows]
+            tokens, logprobs = ids.tolist(), best.tolist()
+        else:
+            tokens, logprobs = [], []
+        for s in seq_ids:
+            self.drafter_cache.set_length(s, self.target_cache.lengths[s])
+        return list(zip(self._per_sequence(tokens, num_drafts), self._per_sequence(logprobs, num_drafts)))
 
     def _draft_eagle(self, seq_ids, last_tokens, num_drafts) -> list[list[int]]:
         drafter, cache, embed = self.drafter, self.drafter_cache, self.target.embed
