@@ -166,6 +166,8 @@ def _tree_step(backend: Backend, seqs: list[Sequence], num_drafts: list[int], sp
     from .tree import accept_tree, build_tree, chain
 
     ids = [s.seq_id for s in seqs]
+    # A tree of N nodes is at most N deep: draft no more slots for it (a sampled request keeps its whole chain).
+    num_drafts = [min(k, spec.nodes) if s.params.greedy else k for s, k in zip(seqs, num_drafts)]
     candidates = backend.draft_candidates(ids, [s.last_token for s in seqs], num_drafts, spec.top_k)
     blocks, parents = [], []
     for s, (tokens, logprobs) in zip(seqs, candidates):

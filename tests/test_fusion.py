@@ -25,6 +25,8 @@ class CountLinear(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.linear:
             self.shapes.append(tuple(args[1].shape))
+        elif func is torch.mm:  # layers.dense_linear: (W · xᵀ)ᵀ for a few fp32 rows
+            self.shapes.append(tuple(args[0].shape))
         return func(*args, **(kwargs or {}))
 
 
@@ -107,3 +109,23 @@ def test_fused_speculative_output_and_calibration_equal_the_unfused(tmp_path):
         for name, value in tables[1][key].items():
             assert abs(tables[0][key][name] - value) <= 1e-4 * max(1.0, value), (key, name)
     assert load_torch_backend(target, drafter).target.model.layers[0].mlp._fused is not None  # on by default
+
+
+def test_dense_linear_is_f_linear_to_rounding_at_every_row_count():
+    """layers.dense_linear (W · xᵀ for a few fp32 rows on CPU) vs F.linear computed in float64."""
+    from dflash_trt.models.layers import SMALL_ROWS, dense_linear
+
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, 96, generator=gen), torch.randn(300, generator=gen)
+    for rows in range(1, SMALL_ROWS[1] + 4):
+        x = torch.randn(rows, 96, generator=gen)
+        with torch.inference_mode():
+            got = dense_linear(x, w, b)
+        assert got.shape == (rows, 300) and got.is_contiguous()
+        torch.testing.assert_close(got, F.linear(x.double(), w.double(), b.double()).float(), rtol=1e-5, atol=1e-5)
+    x = torch.randn(3, 96, generator=gen)
+    with torch.enable_grad():  # training: the plain F.linear (autograd through the usual kernel)
+        assert torch.equal(dense_linear(x, w, b), F.linear(x, w, b))
+    xb, wb = x.bfloat16(), w.bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(dense_linear(xb, wb), F.linear(xb, wb))  # only fp32 takes the other form

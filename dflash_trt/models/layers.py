@@ -55,6 +55,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+# Row counts at which a CPU fp32 matmul runs as (W · xᵀ)ᵀ (see dense_linear); 0 turns it off.
+SMALL_ROWS = (1, 16)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), computed as (weight · xᵀ)ᵀ for a few fp32 rows on a CPU.
+
+    x · Wᵀ with x of a few rows and W large is what a decode step and a verify block are made of. For 2-16
+    rows in fp32 torch's CPU BLAS call for F.linear runs at a fraction of the memory bandwidth, and the same
+    product asked as W · xᵀ (W the left operand, streamed once) takes 0.4-0.8× the time (docs/perf notes in
+    the closing notes of issue 21); one row is a GEMV either way. Same math, another summation order: fp32 results agree to
+    rounding, as any two BLAS kernels do."""
+    rows = x.numel() // x.shape[-1]
+    lo, hi = SMALL_ROWS
+    if lo <= rows <= hi and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and not torch.is_grad_enabled():
+        y = torch.mm(weight, x.t()).t().contiguous()
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x) for any projection module; a plain nn.Linear without hooks (calibration hooks its linears) goes
+    through dense_linear."""
+    if type(linear) is nn.Linear and not (linear._forward_pre_hooks or linear._forward_hooks):
+        return dense_linear(x, linear.weight, linear.bias)
+    return linear(x)
+
+
 class FusedLinear:
     """Linears of one input (q/k/v, gate/up) run as one matmul: their weights become row blocks of one tensor.
 
@@ -98,9 +126,9 @@ class FusedLinear:
     def __call__(self, parent: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The linears' outputs for input x: one matmul while `live(parent)`, else each of parent's linears."""
         if self.live(parent):
-            y = F.linear(x, self.weight, self.bias) if self.int8 is None else self.int8.linear(x, self.bias)
+            y = dense_linear(x, self.weight, self.bias) if self.int8 is None else self.int8.linear(x, self.bias)
             return y.split(self.sizes, dim=-1)
-        return tuple(getattr(parent, name)(x) for name in self.names)
+        return tuple(project(getattr(parent, name), x) for name in self.names)
 
 
 def fuse_projections(model: nn.Module, on: bool = True) -> bool:
@@ -128,8 +156,8 @@ class MLP(nn.Module):
         self._fused = FusedLinear(self, ("gate_proj", "up_proj")) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._fused(self, x) if self._fused is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self._fused(self, x) if self._fused is not None else (project(self.gate_proj, x), project(self.up_proj, x))
+        return project(self.down_proj, F.silu(gate) * up)
 
 
 class AttentionProjections(nn.Module):
@@ -158,7 +186,7 @@ class AttentionProjections(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, hidden] → q [T, nh, hd], k and v [T, nkv, hd], normed and rotated."""
         T = x.shape[0]
-        q, k, v = self._fused(self, x) if self._fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = self._fused(self, x) if self._fused is not None else (project(self.q_proj, x), project(self.k_proj, x), project(self.v_proj, x))
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)

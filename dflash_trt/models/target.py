@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import TargetConfig
 from ..kv_cache import AttentionBatch, PagedKVCache
-from .layers import MLP, AttentionProjections, LocalVocab, RMSNorm, Rotary, paged_attention
+from .layers import MLP, AttentionProjections, LocalVocab, RMSNorm, Rotary, dense_linear, paged_attention, project
 from .moe import MoE
 
 
@@ -33,7 +33,7 @@ class TargetLayer(nn.Module):
         k_pool[batch.write_slots] = k.to(k_pool.dtype)
         v_pool[batch.write_slots] = v.to(v_pool.dtype)
         attn = paged_attention(q, k_pool, v_pool, batch, causal=True, window=self.window, sinks=self.self_attn.sinks)
-        x = x + self.self_attn.o_proj(attn)
+        x = x + project(self.self_attn.o_proj, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -66,7 +66,7 @@ class TargetModel(nn.Module):
         """hidden: [n, H] after the final norm → logits [n, V] (fp32)."""
         if self.lm_head_int8 is not None:
             return self.lm_head_int8.linear(hidden).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+        return dense_linear(hidden, self.lm_head_weight).float()
 
     def new_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
         p, nkv = self.model.embed_tokens.weight, self.model.layers[0].self_attn.num_kv_heads  # this rank's heads under TP
