@@ -20,6 +20,7 @@ from .models.layers import LocalVocab, fuse_projections
 from .models.packed import CPU_WEIGHTS, pack_int8_target
 from .models.target import TargetModel
 from .speculative import Scores
+from .tree import slot_candidates
 
 
 class TorchBackend:
@@ -235,11 +236,7 @@ class TorchBackend:
             raise ConfigError("tree verification is not available under tensor parallelism yet (the draft head is vocabulary-parallel)",
                               key="--tree")
         if any(num_drafts):
-            hidden = self._draft_dflash(seq_ids, last_tokens, num_drafts)
-            logp = torch.nn.functional.linear(hidden, self._draft_head).float().log_softmax(dim=-1)
-            best, rows = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
-            ids = rows if self._draft_ids is None else self._draft_ids[rows]
-            tokens, logprobs = ids.tolist(), best.tolist()
+            tokens, logprobs = slot_candidates(self._draft_dflash(seq_ids, last_tokens, num_drafts), self._draft_head, self._draft_ids, top_k)
         else:
             tokens, logprobs = [], []
         for s in seq_ids:

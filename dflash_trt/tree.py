@@ -64,6 +64,15 @@ def ancestors(parents: list[int]) -> torch.Tensor:
     return anc
 
 
+def slot_candidates(hidden: torch.Tensor, head: torch.Tensor, ids: torch.Tensor | None, top_k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """A drafter's final hidden states at its block slots [n, H], the draft head's rows [V_d, H] and their token ids
+    (None: row = token) → per slot the `top_k` best tokens and their log-probabilities, best first (what
+    build_tree takes). The one place the torch backend and the engine emulation score draft slots."""
+    logp = torch.nn.functional.linear(hidden, head).float().log_softmax(dim=-1)
+    best, rows = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+    return (rows if ids is None else ids[rows]).tolist(), best.tolist()
+
+
 def build_tree(top_tokens: list[list[int]], top_logprobs: list[list[float]], budget: int) -> tuple[list[int], list[int]]:
     """Best-first tree over the drafter's per-slot candidates → (node tokens, parents), root excluded from the
     tokens (the caller puts the last committed token first) but included in `parents` (parents[0] == -1).

@@ -30,6 +30,19 @@ def test_generate_streams_text_and_reports_tau_and_matches_plain_decoding(tiny_d
     assert "tau=1.00" in ar_err and "autoregressive" in ar_err
 
 
+def test_generate_with_a_tree_matches_plain_decoding_and_bad_trees_are_refused(tiny_dirs, capsys):
+    target, drafter = tiny_dirs
+    common = ["--target", target, "--prompt", "def add(a, b):", "--max-new-tokens", 20, "--ignore-eos"]
+    rc, tree_out, tree_err = _run(capsys, *common, "--drafter", drafter, "--tree", 3, "--tree-top-k", 3)
+    assert rc == 0, tree_err
+    rc, ar_out, _ = _run(capsys, *common, "--no-drafter")
+    assert tree_out == ar_out and tree_out.strip() and "tree 3 nodes top-3" in tree_err
+    rc, _, err = _run(capsys, *common, "--drafter", drafter, "--block-size", 4, "--tree", 4)
+    assert rc == 2 and "--tree" in err and "at most 3" in err and err.count("\n") == 1
+    rc, _, err = _run(capsys, *common, "--drafter", drafter, "--tree", 3, "--tree-top-k", 0)
+    assert rc == 2 and "--tree-top-k" in err
+
+
 def test_prompts_file_batches_requests(tiny_dirs, capsys, tmp_path):
     target, drafter = tiny_dirs
     prompts = tmp_path / "p.jsonl"

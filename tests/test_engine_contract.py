@@ -298,3 +298,128 @@ def test_the_engine_check_script_tokenizes_through_the_chat_template_and_matches
     tok = load_tokenizer(target_dir)
     chat = encode_prompt(tok, emulation_check.PROMPTS[0], chat=True)
     assert chat[0] == tok.convert_tokens_to_ids("<|im_start|>") and chat != tok.encode(emulation_check.PROMPTS[0])
+
+
+# -- draft trees on the contract (tree.py): next_draft_paths with several paths, the runtime's K/V move along the
+#    accepted one, against the reference loop with Generator(tree=...) ------------------------------------------------
+
+def _oracle_candidates(truth: list[int], done: int, candidates: list[list[int]], key: tuple) -> list[list[int]]:
+    """Deterministic in (request, tokens committed): the true continuation put among the slots' candidates at a
+    random rank (often not the first, so kept paths leave the chain) for a random number of slots."""
+    rng = random.Random(hash(key))
+    tail = (truth + [0] * 64)[done : done + len(candidates)]
+    right = rng.choice([len(candidates), rng.randrange(len(candidates) + 1)])
+    out = []
+    for j, row in enumerate(candidates):
+        if j < right:
+            row = [t for t in row if t != tail[j]]
+            row.insert(rng.choice([0, 1, 1, len(row)]), tail[j])
+            row = row[: len(candidates[j])]
+        out.append(row)
+    return out
+
+
+def _reference_tree(target, drafter, prompts, max_new, max_batch, spec, truth=None):
+    """Generator(tree=spec) + TorchBackend; per request, each step's (slots drafted, node tokens, parents)."""
+    backend = TorchBackend(target, drafter, num_pages=1024, page_size=4)
+    steps: dict[int, list] = {i: [] for i in range(len(prompts))}
+    real_candidates, real_verify = backend.draft_candidates, backend.verify_tree
+    slots: dict[int, int] = {}
+
+    def draft_candidates(seq_ids, last_tokens, num_drafts, top_k):
+        out = real_candidates(seq_ids, last_tokens, num_drafts, top_k)
+        for s, k in zip(seq_ids, num_drafts):
+            slots[s] = k
+        if truth is None:
+            return out
+        starts = [backend.target_cache.lengths[s] for s in seq_ids]
+        return [(_oracle_candidates(truth[s], p - len(prompts[s]) + 1, t, (s, p)), lp) for s, p, (t, lp) in zip(seq_ids, starts, out)]
+
+    def verify_tree(seq_ids, blocks, parents, need_logits=None):
+        for s, block, par in zip(seq_ids, blocks, parents):
+            steps[s].append((slots[s], block[1:], par))
+        return real_verify(seq_ids, blocks, parents, need_logits)
+
+    backend.draft_candidates, backend.verify_tree = draft_candidates, verify_tree
+    outs = Generator(backend, max_batch=max_batch, tree=spec).generate(prompts, [SamplingParams(max_new_tokens=m) for m in max_new])
+    return outs, steps
+
+
+def _emulated_tree(target, drafter, prompts, max_new, max_batch, spec, truth=None, join_every=3):
+    layers = target.cfg.num_layers + drafter.cfg.num_layers
+    pool = KVBlockPool(400, layers, target.cfg.num_kv_heads, 4, target.cfg.head_dim)
+    holder, paths_fed = {}, {}
+
+    def draft_filter(row, start, candidates):
+        rid = holder["runtime"].batch_request_ids[row]
+        return _oracle_candidates(truth[rid], start - len(prompts[rid]) + 1, candidates, (rid, start))
+
+    engine = DFlashEngine(target, drafter, pool, draft_filter=draft_filter if truth is not None else None, tree=spec)
+    runtime = holder["runtime"] = EagleRuntime(engine, max_batch=max_batch)
+    real_inputs = runtime._inputs
+
+    def inputs(context, generation):  # record the tree each generation row is fed, per request
+        io = real_inputs(context, generation)
+        for b, r in enumerate(context + generation):
+            if b >= len(context):
+                paths_fed.setdefault(r.request_id, []).append(contract.parents_of_paths(io["draft_paths"][b], int(io["draft_lens"][b]) + 1))
+        return io
+
+    runtime._inputs = inputs
+    ids = []
+    for i, (p, m) in enumerate(zip(prompts, max_new)):
+        ids.append(runtime.enqueue_request(p, m))
+        if join_every and i % join_every == join_every - 1:
+            runtime.step()
+    done = runtime.run()
+    assert len(pool.free) == pool.num_blocks and runtime.reserved == 0
+    return [done[i] for i in ids], paths_fed
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt-oss"])
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+@pytest.mark.parametrize("oracle", [False, True])
+def test_emulated_engine_with_draft_trees_equals_the_reference_tree_loop(models, arch, max_batch, oracle):
+    from dflash_trt.tree import TreeSpec
+
+    target, drafter = models[arch]
+    spec = TreeSpec(nodes=4, top_k=3)  # K = 5 slots, 4 nodes: trees of several paths
+    prompts = _prompts(max_batch + 40, 8)
+    rng = random.Random(max_batch)
+    max_new = [rng.randrange(4, MAX_NEW + 1) for _ in prompts]
+    truth = None
+    if oracle:
+        truth = [o.output_ids for o in _reference(target, None, prompts, [MAX_NEW + 8] * len(prompts), 8)[0]]
+    ref, ref_steps = _reference_tree(target, drafter, prompts, max_new, max_batch, spec, truth)
+    emu, paths_fed = _emulated_tree(target, drafter, prompts, max_new, max_batch, spec, truth)
+    assert [e.output_ids for e in emu] == [r.output_ids for r in ref]
+    compared, branched = 0, 0
+    for i, (e, r) in enumerate(zip(emu, ref)):
+        # The same paths kept, step for step, up to where the reference drafts fewer slots near max_new_tokens (the
+        # engine always drafts the whole tree; the runtime drops what passes max_new), which changes the tree's shape.
+        full = next((j for j, step in enumerate(ref_steps[i]) if step[0] < spec.nodes), len(ref_steps[i]))
+        assert e.accepted_lengths[:full] == r.accepted_lengths[:full]
+        for (slots, nodes, parents), fed, fed_parents in zip(ref_steps[i], e.drafts_fed, paths_fed.get(i, [])):
+            if slots == spec.nodes:  # the reference drafts fewer slots near max_new_tokens
+                assert (fed, fed_parents) == (nodes, parents)
+                compared += 1
+                branched += parents != list(range(-1, len(nodes)))
+    assert compared >= 8 and branched > 0
+    if oracle:
+        assert max(max(r.accepted_lengths) for r in ref) > 2  # long acceptances ran through the runtime's K/V moves
+        assert any(any(a > 1 for a in r.accepted_lengths) for r in ref)
+
+
+def test_tree_paths_round_trip_and_the_chain_is_the_one_path_tree():
+    from dflash_trt.tree import ancestors, chain
+
+    dims = contract.Dims(6)
+    for parents in (chain(5), [-1, 0, 1, 0, 3], [-1, 0, 0, 0, 2, 4]):
+        paths = contract.tree_paths(dims, parents)
+        assert contract.parents_of_paths(paths, len(parents)) == parents
+        mask = contract.tree_packed_mask(dims, parents)
+        bits = [[bool(int(mask[i, j // 32]) >> (j % 32) & 1) for j in range(len(parents))] for i in range(len(parents))]
+        assert bits == ancestors(parents).tolist()
+    assert torch.equal(contract.tree_paths(dims, chain(5)), contract.chain_paths(dims, 1)[0])
+    with pytest.raises(ValueError):
+        contract.parents_of_paths(torch.tensor([[0, 1, -1], [0, 2, 1]], dtype=torch.int32), 3)  # token 1 under two parents

@@ -48,6 +48,14 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"must be >= 0, got {args.max_queue}", key="--max-queue")
     if args.threads:
         torch.set_num_threads(args.threads)
+    from ..tree import tree_from_args
+
+    tree = tree_from_args(args)
+    if tree is not None and (launched_world_size() > 1 or args.drafter_type != "dflash"):
+        from ..errors import ConfigError
+
+        raise ConfigError("--tree needs a DFlash drafter in one process (not the eagle3 baseline, not under tensor parallelism yet)",
+                          key="--tree")
     if launched_world_size() > 1:
         from .followers import serve_tp
 
@@ -55,11 +63,13 @@ def cmd_serve(args) -> int:
     model = load_model(
         args.target, requested_drafter(args), tokenizer_dir=args.tokenizer, drafter_type=args.drafter_type, dtype=args.dtype,
         max_batch=args.max_batch, max_model_len=args.max_model_len, kv_pages=args.kv_pages, page_size=args.page_size,
-        block_size=args.block_size, max_verify_tokens=args.max_verify_tokens, cpu_weights=args.cpu_weights,
+        block_size=args.block_size, max_verify_tokens=args.max_verify_tokens, cpu_weights=args.cpu_weights, tree=tree,
     )
     name = args.model_name or Path(args.target).resolve().name
     server = Server(model, name, max_queue=args.max_queue, default_max_tokens=args.default_max_tokens)
     mode = "autoregressive" if model.drafter is None else f"{args.drafter_type} block={model.block_size}"
+    if model.drafter is not None and tree is not None:
+        mode += f", tree {tree.nodes} nodes top-{tree.top_k}"
     print(f"serving '{name}' [{mode}] on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, queue {args.max_queue})", flush=True)
     run(server, args.host, args.port, args.log_level)
     return 0
@@ -83,10 +93,12 @@ def cmd_triton_repo(args) -> int:
 def register_cli(sub) -> None:
     from ..flags import HELP_FORMAT
     from ..loading import add_cpu_weights_flag, add_tp_flags
+    from ..tree import add_tree_flags
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, continuous batching, Prometheus metrics)", formatter_class=HELP_FORMAT)
     _model_args(s, "serve")
     add_cpu_weights_flag(s)
+    add_tree_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --max-batch; more get 429")

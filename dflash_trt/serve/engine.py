@@ -245,7 +245,7 @@ def load_model(
     target_dir: str, drafter_dir: str | None, *, tokenizer_dir: str | None = None, drafter_type: str = "dflash",
     dtype: str = "fp32", max_batch: int = 8, max_model_len: int | None = 2048, kv_pages: int | None = None,
     page_size: int = 16, block_size: int | None = None, max_verify_tokens: int | None = None,
-    tp: TPGroup | None = None, tp_drafter: str = "sharded", cpu_weights: str = "dense",
+    tp: TPGroup | None = None, tp_drafter: str = "sharded", cpu_weights: str = "dense", tree=None,
 ) -> LoadedModel:
     """Load target (+ drafter) and tokenizer the way `dflash-trt generate` does. Without `kv_pages`
     the pool holds `max_batch` requests of `max_model_len` tokens each. With `tp` (target_dir and
@@ -279,7 +279,7 @@ def load_model(
         backend = load_tp_backend(checkpoint_root(target_dir), tp, DTYPES[dtype], drafter_dir is not None, tp_drafter, kv_pages,
                                   page_size, block_size)
     gen = Generator(backend, eos_token_ids=eos, max_batch=max_batch, use_drafter=drafter_dir is not None, max_seq_len=max_model_len,
-                    max_verify_tokens=max_verify_tokens)
+                    max_verify_tokens=max_verify_tokens, tree=tree)  # tree (tree.TreeSpec): tree verification for greedy requests
     return LoadedModel(gen, tokenizer, max_model_len, backend.block_size, drafter_dir)
 
 

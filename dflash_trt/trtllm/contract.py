@@ -162,9 +162,62 @@ def chain_position_offsets(dims: Dims, batch: int) -> torch.Tensor:
 def chain_packed_mask(dims: Dims, batch: int) -> torch.Tensor:
     """[B, D, W] int32: bit j of row i set when verify token i may attend verify token j; a chain is causal.
     (The runtime passes the generation rows' masks flattened, [G·D, W].)"""
-    d = dims.max_decoding_tokens
-    mask = torch.zeros(batch, d, dims.packed_mask_words, dtype=torch.int64)
-    for i in range(d):
-        for j in range(i + 1):
-            mask[:, i, j // 32] |= 1 << (j % 32)
-    return torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)  # the bit pattern as int32
+    from ..tree import chain
+
+    return tree_packed_mask(dims, chain(dims.max_draft_len)).expand(batch, -1, -1).contiguous()
+
+
+def tree_paths(dims: Dims, parents: list[int]) -> torch.Tensor:
+    """A draft tree (tree.py: node 0 the root, parents[0] == -1) as EAGLE's `draft_paths` row, [D, P] int32: one
+    path per leaf, root first, in leaf order; unused entries -1. A chain gives chain_paths' row."""
+    paths = torch.full((dims.max_decoding_tokens, dims.max_path_len), -1, dtype=torch.int32)
+    has_child = set(parents[1:])
+    leaves = [i for i in range(len(parents)) if i not in has_child]
+    for row, leaf in enumerate(leaves):
+        path = [leaf]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        paths[row, : len(path)] = torch.tensor(path, dtype=torch.int32)
+    return paths
+
+
+def parents_of_paths(paths: torch.Tensor, num_tokens: int) -> list[int]:
+    """The inverse of tree_paths for a block of `num_tokens` tokens (root + drafts): each token's parent. Raises
+    ValueError unless the paths form one tree over exactly tokens 0..num_tokens-1, rooted at 0."""
+    parents: dict[int, int] = {0: -1}
+    for path in paths.tolist():
+        nodes = [i for i in path if i >= 0]
+        if not nodes:
+            continue
+        if nodes[0] != 0 or any(i >= num_tokens for i in nodes) or nodes != path[: len(nodes)]:
+            raise ValueError(f"draft path {path} does not start at the root or names a token outside [0, {num_tokens})")
+        for parent, child in zip(nodes, nodes[1:]):
+            if parents.setdefault(child, parent) != parent:
+                raise ValueError(f"token {child} has two parents in the draft paths")
+    if sorted(parents) != list(range(num_tokens)):
+        raise ValueError(f"the draft paths cover tokens {sorted(parents)}, not 0..{num_tokens - 1}")
+    out = [parents[i] for i in range(num_tokens)]
+    if any(p >= i for i, p in enumerate(out) if i):
+        raise ValueError("a draft token comes before its parent in the block")
+    return out
+
+
+def tree_position_offsets(dims: Dims, parents: list[int]) -> torch.Tensor:
+    """[D]: each block token's depth (0 for the root); entries past the block 0."""
+    from ..tree import depths
+
+    out = torch.zeros(dims.max_decoding_tokens, dtype=torch.int32)
+    out[: len(parents)] = torch.tensor(depths(parents), dtype=torch.int32)
+    return out
+
+
+def tree_packed_mask(dims: Dims, parents: list[int]) -> torch.Tensor:
+    """[D, W] int32: bit j of row i set when token j is token i or one of its ancestors (rows past the block 0)."""
+    from ..tree import ancestors
+
+    mask = torch.zeros(dims.max_decoding_tokens, dims.packed_mask_words, dtype=torch.int64)
+    for i, row in enumerate(ancestors(parents).tolist()):
+        for j, seen in enumerate(row):
+            if seen:
+                mask[i, j // 32] |= 1 << (j % 32)
+    return torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)

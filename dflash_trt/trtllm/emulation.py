@@ -37,6 +37,7 @@ from ..models.layers import draft_vocab_head
 from ..models.target import TargetModel
 from ..sampling import SamplingParams, target_probs
 from ..speculative import Sequence
+from ..tree import TreeSpec, accept_tree, build_tree, chain, depths, slot_candidates
 from . import contract
 from .contract import CONTEXT, GENERATION, Dims
 
@@ -115,9 +116,13 @@ def sample_inverse_cdf(probs: torch.Tensor, u: float) -> int:
 
 class DFlashEngine:
     """The engine's per-call function. `draft_filter(row, block_start, drafts) -> drafts`, a test seam, replaces
-    a row's proposals after the drafter ran (the oracle drafters of the lossless tests)."""
+    a row's proposals after the drafter ran (the oracle drafters of the lossless tests); with a tree it gets and
+    returns the row's per-slot candidate lists instead."""
 
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter, pool: KVBlockPool, draft_filter=None):
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter, pool: KVBlockPool, draft_filter=None, tree: TreeSpec | None = None):
+        """`tree` (greedy only): the next drafts are a best-first tree of `tree.nodes` tokens from each slot's top-k
+        (tree.build_tree, as TorchBackend + Generator(tree=...) build it), carried in `next_draft_paths`; the block
+        pass then drafts min(K, nodes) slots. None: a K-token chain, the one path."""
         for key, ours, theirs in (("num_key_value_heads", drafter.cfg.num_kv_heads, target.cfg.num_kv_heads), ("head_dim", drafter.cfg.head_dim, target.cfg.head_dim)):
             if ours != theirs:  # one pool, no variable GQA (trtGptModelInflightBatching's start-up checks)
                 raise ConfigError(f"the drafter's layers live in the target's KV pool: {key} {ours} != the target's {theirs}", file=drafter.cfg.path, key=key)
@@ -128,6 +133,9 @@ class DFlashEngine:
             raise ValueError(f"the pool has {pool.num_layers} layers; target {self.num_target_layers} + drafter {drafter.cfg.num_layers} needed")
         self.draft_head, self.draft_ids = draft_vocab_head(target.lm_head_weight, drafter.d2t)
         self.draft_filter = draft_filter
+        if tree is not None and not 1 <= tree.nodes <= self.dims.max_draft_len:
+            raise ConfigError(f"a verification tree of {tree.nodes} nodes does not fit the engine's {self.dims.max_draft_len} draft slots", key="--tree")
+        self.tree = tree
         self._target_cache = _PoolCache.of(pool, 0, self.num_target_layers)
         self._drafter_cache = _PoolCache.of(pool, self.num_target_layers, drafter.cfg.num_layers)
 
@@ -157,93 +165,140 @@ class DFlashEngine:
         position_ids = io["position_ids"].tolist()
         # Rows: a context row's chunk starts at past − chunk; a generation row's tokens are [last, drafts] at the
         # position N − 1 the runtime gives, plus each token's depth in the tree (spec_decoding_position_offsets).
-        starts, lens, positions, q = [], [], [], 0
+        starts, lens, positions, parents, q = [], [], [], [], 0
         for b in range(batch):
             if b < context:
                 n = int(io["host_context_lengths"][b])
                 start, row_positions = past[b] - n, position_ids[q : q + n]
+                row_parents = chain(n - 1)
                 q += n
             else:
                 g = b - context
                 n = int(io["spec_decoding_generation_lengths"][g])
-                self._check_chain(io, b, g, n)
+                row_parents = self._check_tree(io, b, g, n)
                 start = past[b]
                 row_positions = [position_ids[q] + int(d) for d in io["spec_decoding_position_offsets"][g, :n]]
                 q += 1
-            if row_positions != list(range(start, start + n)):
-                raise ValueError(f"engine input: row {b}'s positions {row_positions} are not [{start}, {start + n})")
+            if row_positions != [start + d for d in depths(row_parents)]:
+                raise ValueError(f"engine input: row {b}'s positions {row_positions} are not its tokens' depths after {start}")
             starts.append(start)
             lens.append(n)
             positions += row_positions
+            parents.append(row_parents)
         if sum(lens) != sizes["N"]:
             raise ValueError(f"engine input: input_ids has {sizes['N']} tokens, the rows' lengths sum to {sum(lens)}")
 
         # 1. Target over every scheduled token; K/V into the target layers of the pool.
         kv_slots = [self._slots(offsets[b], 0, starts[b] + lens[b]) for b in range(batch)]
-        attn = AttentionBatch.build(starts, lens, kv_slots, torch.cat([s[p:] for s, p in zip(kv_slots, starts)]), "cpu")
+        attn = AttentionBatch.build(starts, lens, kv_slots, torch.cat([s[p:] for s, p in zip(kv_slots, starts)]), "cpu").as_tree(parents)
         logits, features = self.target(io["input_ids"].long(), attn, self._target_cache, tuple(self.drafter.cfg.target_layer_ids))
         rows = torch.tensor([0] + lens).cumsum(0).tolist()
 
         # 2. Accept the previous drafts (generation rows) or take the first token (context rows).
         accepted = torch.zeros(batch, dims.max_path_len, dtype=torch.int32)
         num_accepted = torch.zeros(batch, dtype=torch.int32)
-        kept = []  # this call's tokens whose target K/V stay: their features go to the drafter
+        accepted_paths = torch.zeros(batch, dtype=torch.int32)
+        kept = []  # per row, this call's tokens (indices in the row) whose target K/V stay: their features go to the drafter
         for b in range(batch):
             scores = logits[rows[b] : rows[b + 1]]
             greedy = bool(io["greedy_sampling"][0]) or float(io["eagle_temperature"][b]) == 0.0
             if b < context:
                 new = [self._first_token(scores[-1], greedy, io, b)]
-                kept.append(lens[b])
+                kept.append(list(range(lens[b])))
+            elif self.tree is not None:
+                if not greedy:
+                    raise ValueError(f"engine input: row {b} samples (eagle_temperature > 0); this engine's draft trees are greedy only")
+                block = [int(io["input_ids"][rows[b]])] + io["draft_tokens"][b, : lens[b] - 1].tolist()
+                path, bonus = accept_tree(block, parents[b], scores.argmax(-1).tolist())
+                new = [block[i] for i in path[1:]] + [bonus]
+                kept.append(path)  # the root and the accepted drafts, at their tree indices
+                accepted_paths[b] = self._path_index(io["draft_paths"][b], path)
             else:
                 new = self._accept(scores, io, b, greedy)
-                kept.append(len(new))  # the root and the accepted drafts
+                kept.append(list(range(len(new))))  # the root and the accepted drafts
             accepted[b, : len(new)] = torch.tensor(new, dtype=torch.int32)
             num_accepted[b] = len(new)
 
-        # 3. KV injection: the kept tokens' target features → every drafter layer's K/V at their positions.
-        keep_rows = torch.cat([torch.arange(rows[b], rows[b] + kept[b]) for b in range(batch)])
-        write = torch.cat([self._slots(offsets[b], starts[b], starts[b] + kept[b]) for b in range(batch)])
+        # 3. KV injection: the kept tokens' target features → every drafter layer's K/V at their positions (a kept
+        #    path's tokens sit at consecutive positions from the row's start, whatever their tree indices).
+        keep_rows = torch.cat([rows[b] + torch.tensor(kept[b]) for b in range(batch)])
+        write = torch.cat([self._slots(offsets[b], starts[b], starts[b] + len(kept[b])) for b in range(batch)])
         cache = self._drafter_cache
         self.drafter.inject_context(features[keep_rows], torch.tensor(positions)[keep_rows], write, cache)
 
         # 4. One block pass: [last accepted, mask × K] right after the kept tokens. Its own K/V go to the drafter
         #    layers at those positions (scratch: the next call's injection overwrites what it keeps).
-        block = dims.block_size
-        block_starts = [starts[b] + kept[b] for b in range(batch)]
+        slots = K if self.tree is None else min(K, self.tree.nodes)  # a tree of N nodes is at most N deep
+        block = slots + 1
+        block_starts = [starts[b] + len(kept[b]) for b in range(batch)]
         block_kv = [self._slots(offsets[b], 0, block_starts[b] + block) for b in range(batch)]
         block_batch = AttentionBatch.build(block_starts, [block] * batch, block_kv, torch.cat([s[p:] for s, p in zip(block_kv, block_starts)]), "cpu")
         mask = self.drafter.cfg.mask_token_id
-        block_ids = torch.tensor([t for b in range(batch) for t in [int(accepted[b, num_accepted[b] - 1])] + [mask] * K])
+        block_ids = torch.tensor([t for b in range(batch) for t in [int(accepted[b, num_accepted[b] - 1])] + [mask] * slots])
         hidden = self.drafter(self.target.embed(block_ids), block_batch, cache)
         slot_rows = torch.cat([torch.arange(b * block + 1, (b + 1) * block) for b in range(batch)])
-        best = torch.nn.functional.linear(hidden[slot_rows], self.draft_head).argmax(-1)
-        drafts = (best if self.draft_ids is None else self.draft_ids[best]).view(batch, K)
-        if self.draft_filter is not None:
-            drafts = torch.stack([torch.tensor(self.draft_filter(b, block_starts[b], drafts[b].tolist()), dtype=torch.long) for b in range(batch)])
+        if self.tree is None:
+            best = torch.nn.functional.linear(hidden[slot_rows], self.draft_head).argmax(-1)
+            drafts = (best if self.draft_ids is None else self.draft_ids[best]).view(batch, K)
+            if self.draft_filter is not None:
+                drafts = torch.stack([torch.tensor(self.draft_filter(b, block_starts[b], drafts[b].tolist()), dtype=torch.long) for b in range(batch)])
+            draft_lens = torch.full((batch,), K, dtype=torch.int32)
+            draft_paths = contract.chain_paths(dims, batch)
+        else:
+            tokens, logprobs = slot_candidates(hidden[slot_rows], self.draft_head, self.draft_ids, self.tree.top_k)
+            if self.draft_filter is not None:  # the seam, per row: (row, block start, slot candidates) -> slot candidates
+                tokens = [t for b in range(batch) for t in self.draft_filter(b, block_starts[b], tokens[b * slots : (b + 1) * slots])]
+            drafts = torch.full((batch, K), -1, dtype=torch.long)
+            draft_lens = torch.zeros(batch, dtype=torch.int32)
+            draft_paths = torch.empty(batch, dims.max_decoding_tokens, dims.max_path_len, dtype=torch.int32)
+            for b in range(batch):
+                nodes, tree_parents = build_tree(tokens[b * slots : (b + 1) * slots], logprobs[b * slots : (b + 1) * slots], self.tree.nodes)
+                drafts[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
+                draft_lens[b] = len(nodes)
+                draft_paths[b] = contract.tree_paths(dims, tree_parents)
 
         logit_rows = torch.cat([torch.tensor([rows[b + 1] - 1]) if b < context else torch.arange(rows[b], rows[b + 1]) for b in range(batch)])
         out = {
             "logits": logits[logit_rows].float(),
             "accepted_tokens": accepted,
             "num_accepted_tokens": num_accepted,
-            "accepted_paths": torch.zeros(batch, dtype=torch.int32),  # the one path
+            "accepted_paths": accepted_paths,  # a path of draft_paths whose prefix is the kept one (0 for a chain)
             "next_draft_tokens": drafts.to(torch.int32),
-            "next_draft_lens": torch.full((batch,), K, dtype=torch.int32),
-            "next_draft_paths": contract.chain_paths(dims, batch),
+            "next_draft_lens": draft_lens,
+            "next_draft_paths": draft_paths,
         }
         contract.check_io(out, contract.OUTPUTS, sizes, "engine output")
         return out
 
-    def _check_chain(self, io, b: int, g: int, n: int) -> None:
+    def _check_tree(self, io, b: int, g: int, n: int) -> list[int]:
+        """A generation row's draft tree from its `draft_paths`, checked against the lengths, the depths
+        (`spec_decoding_position_offsets`) and the ancestor mask (`spec_decoding_packed_mask`) the runtime
+        derived from the same paths; a chain engine takes its one path only. Returns the tokens' parents."""
         dims = self.dims
         drafts = int(io["draft_lens"][b])
         if n != drafts + 1:
             raise ValueError(f"engine input: row {b} has {drafts} drafts but spec_decoding_generation_lengths {n}")
-        if not torch.equal(io["draft_paths"][b], contract.chain_paths(dims, 1)[0]):
-            raise ValueError(f"engine input: draft_paths of row {b} is not the one-path tree this engine proposes")
+        if self.tree is None:
+            if not torch.equal(io["draft_paths"][b], contract.chain_paths(dims, 1)[0]):
+                raise ValueError(f"engine input: draft_paths of row {b} is not the one-path tree this engine proposes")
+            parents = chain(drafts)
+        else:
+            parents = contract.parents_of_paths(io["draft_paths"][b], n)
+        offsets = io["spec_decoding_position_offsets"][g, :n].tolist()
+        if offsets != depths(parents):
+            raise ValueError(f"engine input: spec_decoding_position_offsets of row {b} are not its draft tree's depths")
         mask = io["spec_decoding_packed_mask"].view(-1, dims.max_decoding_tokens, dims.packed_mask_words)[g]
-        if not torch.equal(mask, contract.chain_packed_mask(dims, 1)[0]):
-            raise ValueError(f"engine input: spec_decoding_packed_mask of row {b} is not the chain's (causal) mask")
+        if not torch.equal(mask[:n], contract.tree_packed_mask(dims, parents)[:n]):
+            raise ValueError(f"engine input: spec_decoding_packed_mask of row {b} is not its draft tree's ancestor mask")
+        return parents
+
+    @staticmethod
+    def _path_index(paths: torch.Tensor, kept: list[int]) -> int:
+        """The first of the row's draft paths that starts with the kept path (the runtime moves K/V along it)."""
+        for i, path in enumerate(paths.tolist()):
+            if path[: len(kept)] == kept:
+                return i
+        raise ValueError(f"no draft path starts with the kept path {kept}")
 
     def _first_token(self, logits: torch.Tensor, greedy: bool, io, b: int) -> int:
         if greedy:
@@ -425,6 +480,7 @@ class EagleRuntime:
         drafts = torch.full((len(batch), K), -1, dtype=i32)  # context rows: -1
         draft_lens = torch.zeros(len(batch), dtype=i32)
         paths = contract.chain_paths(dims, len(batch))  # a new request's tree: the engine's one path (eagle_choices)
+        offsets_in, masks = [], []  # per generation row, from its draft paths (eagleDecodingKernels.cu, docs/engine-path.md)
         for b, r in enumerate(batch):
             if b < len(context):
                 ids += r.prompt
@@ -446,6 +502,9 @@ class EagleRuntime:
                 draft_lens[b] = len(r.drafts)
                 paths[b] = r.paths
                 r.paths_in = r.paths
+                tree_parents = contract.parents_of_paths(r.paths, len(r.drafts) + 1)
+                offsets_in.append(contract.tree_position_offsets(dims, tree_parents))
+                masks.append(contract.tree_packed_mask(dims, tree_parents))
                 r.drafts_fed.append(list(r.drafts))
         max_blocks = max(len(r.blocks) for r in batch)
         offsets = torch.full((1, len(batch), 2, max_blocks), -1, dtype=i32)
@@ -463,8 +522,8 @@ class EagleRuntime:
             "sequence_length": torch.tensor(seq_lens, dtype=i32),
             "kv_cache_block_offsets": offsets,
             "spec_decoding_generation_lengths": torch.tensor(gen_lens, dtype=i32),
-            "spec_decoding_position_offsets": contract.chain_position_offsets(dims, g),
-            "spec_decoding_packed_mask": contract.chain_packed_mask(dims, g).view(g * D, dims.packed_mask_words),
+            "spec_decoding_position_offsets": torch.stack(offsets_in) if g else torch.zeros(0, D, dtype=i32),
+            "spec_decoding_packed_mask": (torch.stack(masks) if g else torch.zeros(0, D, dims.packed_mask_words, dtype=i32)).view(g * D, dims.packed_mask_words),
             "draft_tokens": drafts,
             "draft_lens": draft_lens,
             "draft_paths": paths,
