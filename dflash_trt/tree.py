@@ -133,8 +133,8 @@ def accept_tree(tokens: list[int], parents: list[int], argmax: list[int]) -> tup
 def add_tree_flags(parser) -> None:
     parser.add_argument("--tree", type=int, metavar="N", default=None,
                         help="tree verification (greedy, DFlash drafter): verify a best-first tree of N draft tokens built from "
-                             "each block slot's top-k candidates (seeded with the greedy chain) instead of the chain; "
-                             "N <= block_size - 1, so a step costs what the chain's does; implies --draft-length fixed")
+                             "each block slot's top-k candidates (the N likeliest paths; the greedy chain as far as its nodes are among "
+                             "them) instead of the chain; N <= block_size - 1; implies --draft-length fixed")
     parser.add_argument("--tree-top-k", type=int, default=4, metavar="K", help="candidates kept per block slot for --tree")
 
 
