@@ -46,9 +46,9 @@ def _run(method: Method, prompts: list[list[int]], eos, max_new: int, concurrenc
         return outs, time.perf_counter() - start
     policy = None
     if method.step_cost is not None:
-        from .draft_length import DraftLengthPolicy
+        from .draft_length import DraftLengthPolicy, TreePolicy
 
-        policy = DraftLengthPolicy(method.step_cost, method.backend.max_drafts)
+        policy = DraftLengthPolicy(method.step_cost, method.backend.max_drafts) if method.tree is None else TreePolicy(method.step_cost, method.tree.nodes)
     gen = Generator(method.backend, eos_token_ids=eos, max_batch=concurrency, max_verify_tokens=method.max_verify_tokens, draft_policy=policy,
                     tree=method.tree)
     start = time.perf_counter()
@@ -300,8 +300,9 @@ COLUMNS_EXPLAINED = [
     "Methods: `ar` plain greedy decoding (one target step per token); `eagle3` the EAGLE-3-style baseline drafter "
     "(a chain drafted token by token); `dflash` the DFlash drafter, one block per step at the fixed width; `dflash-auto` "
     "DFlash with each step's draft length chosen from the measured step cost and the running acceptance (0 drafts "
-    "= plain decoding when drafting cannot pay); `dflash-treeN` (`--tree`) tree verification of N drafts per step from each "
-    "block slot's top-k, greedy. Peers (`--peer`, batch 1 only): `hf-greedy` transformers' `generate` greedy "
+    "= plain decoding when drafting cannot pay); `dflash-treeN` (`--tree`) tree verification of up to N drafts per step from each "
+    "block slot's top-k, greedy (with `--draft-length auto` each step's tree size, or plain decoding, from the step cost, "
+    "as `dflash-auto`). Peers (`--peer`, batch 1 only): `hf-greedy` transformers' `generate` greedy "
     "in fp32 (the baseline of 'vs HF fp32 greedy'), `hf-pld` the same with prompt lookup decoding "
     f"(`prompt_lookup_num_tokens={PLD_TOKENS}`), `llama.cpp` llama-cpp-python greedy on the Q4_1 GGUF the target was "
     "dequantized from. With `--cpu-weights int8`: `ar-dense` plain decoding on the weights before int8 (its = AR output "
@@ -408,8 +409,9 @@ def cmd_bench(args) -> int:
             policy = auto_policy(dflash, identity, max(concurrency + [1]), progress=not args.quiet)
             if policy is not None:
                 methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, policy.cost))
+        cost = methods[-1].step_cost if methods[-1].name == "dflash-auto" else None  # auto: trees fall back to plain decoding too
         for nodes in _tree_sizes(args.tree, dflash.max_drafts):
-            methods.append(Method(f"dflash-tree{nodes}", dflash, args.max_verify_tokens, tree=TreeSpec(nodes, args.tree_top_k)))
+            methods.append(Method(f"dflash-tree{nodes}", dflash, args.max_verify_tokens, cost, tree=TreeSpec(nodes, args.tree_top_k)))
     if weights != "dense":  # the same decoding on the dense weights: how often int8 changes the greedy output, and its speed
         methods.append(Method("ar-dense", TorchBackend(load_target(args.target, dtype=DTYPES[args.dtype]), None, num_pages=pages)))
     if args.peer:

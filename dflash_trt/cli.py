@@ -46,11 +46,12 @@ def draft_policy(args, backend, target, drafter, num_prompts: int):
     TP every rank must draft the same, and timings differ between ranks."""
     from .draft_length import auto_policy, calibration_identity
 
-    if args.draft_length != "auto" or args.block_size or backend.max_drafts == 0 or getattr(args, "tree", None) is not None:
+    if args.draft_length != "auto" or args.block_size or backend.max_drafts == 0:
         return None
+    tree = getattr(args, "tree", None)  # --tree N: each step a tree of n ≤ N nodes or plain decoding (TreePolicy)
     identity = calibration_identity(target, drafter, weights_label(args.dtype, args.cpu_weights), getattr(args, "drafter_type", "dflash"),
                                     backend.block_size)
-    return auto_policy(backend, identity, min(args.max_batch, num_prompts), progress=not args.quiet)
+    return auto_policy(backend, identity, min(args.max_batch, num_prompts), progress=not args.quiet, tree_nodes=tree)
 
 
 def kv_pages(args, prompts: list[list[int]]) -> int:

@@ -194,6 +194,38 @@ class DraftLengthPolicy:
         if num_drafts:
             self.stats.observe(num_drafts, num_accepted)
 
+    def observe_path(self, num_drafts: int, kept: list[int]) -> None:
+        """A step's kept path (node indices, root first): the chain's is 0..accepted."""
+        self.observe(num_drafts, len(kept) - 1)
+
+
+class TreePolicy:
+    """`--tree N` with `--draft-length auto`: each step verifies the best-first tree of the n ≤ N nodes (n = 0: plain
+    decoding, no drafter pass) that maximises B · E[tokens | n] / cost(B, n), cost from the same calibration as the
+    chain's (a tree of n nodes drafts ≤ n slots and verifies n + 1 rows, as a chain of n does).
+
+    tree.build_tree adds nodes best first, so the tree of n nodes is the first n nodes of the tree of N (node
+    indices in the order added), and one verified tree tells what each smaller one would have committed: 1 + the
+    kept path's nodes among the first n. E[tokens | n] is the running mean of that over steps that offered ≥ n
+    nodes, with a prior of the chain policy's (2 − 0.5ⁿ, weight 2) and the same forgetting. (An estimate: a smaller
+    tree's block pass drafts fewer slots, which can move the drafter's scores of the slots it keeps.)"""
+
+    def __init__(self, cost: StepCost, nodes: int, prior_weight: float = 2.0, decay: float = 0.995):
+        self.cost, self.nodes, self.decay = cost, nodes, decay
+        self.tokens = [(2.0 - 0.5**n) * prior_weight for n in range(nodes + 1)]
+        self.steps = [prior_weight] * (nodes + 1)
+
+    def expected_tokens(self, n: int) -> float:
+        return self.tokens[n] / self.steps[n]
+
+    def choose(self, batch: int) -> int:
+        return max(range(self.nodes + 1), key=lambda n: (batch * self.expected_tokens(n) / self.cost(batch, n), -n))
+
+    def observe_path(self, num_drafts: int, kept: list[int]) -> None:
+        for n in range(1, min(num_drafts, self.nodes) + 1):
+            self.tokens[n] = self.tokens[n] * self.decay + 1 + sum(1 for i in kept[1:] if i <= n)
+            self.steps[n] = self.steps[n] * self.decay + 1
+
 
 def calibration_dir() -> Path:
     """Where step costs are cached: $DFLASH_TRT_CALIBRATION, else calibration/ under the package cache."""
@@ -208,12 +240,14 @@ def calibration_identity(target, drafter, dtype: str, drafter_type: str, block_s
     return [str(target), str(drafter), dtype, drafter_type, str(block_size)]
 
 
-def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | None = None, progress: bool = True) -> DraftLengthPolicy | None:
+def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | None = None, progress: bool = True,
+                tree_nodes: int | None = None) -> DraftLengthPolicy | TreePolicy | None:
     """The default policy of a drafting backend (None without a drafter, or when the KV pool cannot hold one
     calibration sequence: fixed blocks then): its step cost from the cache in
     `cache_dir` (default: $DFLASH_TRT_CALIBRATION, else calibration/ under $DFLASH_TRT_CACHE or ~/.cache/dflash-trt),
     measured there first if absent.
-    `identity`: what makes one calibration differ from another (model directories, dtype, block size)."""
+    `identity`: what makes one calibration differ from another (model directories, dtype, block size).
+    `tree_nodes`: the policy of `--tree N` (TreePolicy) instead of the chain's."""
     if backend.max_drafts == 0:
         return None
     from .progress import progress_bar
@@ -224,4 +258,6 @@ def auto_policy(backend, identity: list[str], max_batch: int, cache_dir: Path | 
         cost = load_or_calibrate(backend, cache_key(*identity), directory, max_batch, progress=bar.update)
     finally:
         bar.close()
-    return None if cost is None else DraftLengthPolicy(cost, backend.max_drafts)
+    if cost is None:
+        return None
+    return DraftLengthPolicy(cost, backend.max_drafts) if tree_nodes is None else TreePolicy(cost, tree_nodes)

@@ -69,14 +69,13 @@ class Generator:
         drafts min(block_size − 1, budget / batch − 1) tokens: full blocks at low concurrency, shorter ones
         (down to plain decoding) as the batch grows and the target's pass stops being memory-bound."""
         # `draft_policy` (draft_length.DraftLengthPolicy): each step's draft length from the measured step cost and
-        # the running acceptance rates, within max_drafts and the verify budget. None: always max_drafts.
+        # the running acceptance rates, within max_drafts and the verify budget (with `tree`, draft_length.TreePolicy:
+        # each step's tree size, 0 = plain decoding). None: always max_drafts.
         self.draft_policy = draft_policy if use_drafter else None
         # `tree` (tree.TreeSpec): greedy requests verify a best-first tree of the drafter's per-slot top-k instead
         # of the chain, as wide as the chain would be (≤ block_size − 1 nodes, within max_verify_tokens).
         self.tree = tree if use_drafter else None
         if self.tree is not None:
-            if self.draft_policy is not None:
-                raise ConfigError("tree verification has a fixed width: use it with --draft-length fixed", key="--tree")
             if not 1 <= self.tree.nodes <= backend.max_drafts:
                 raise ConfigError(f"a verification tree of {self.tree.nodes} nodes does not fit the verify block: at most "
                                   f"{backend.max_drafts} (block_size - 1)", key="--tree")
@@ -236,11 +235,11 @@ class Generator:
         if decoding:
             k = self.drafts_per_request(len(decoding))
             tree = None if self.tree is None or k == 0 else replace(self.tree, nodes=min(self.tree.nodes, k))
-            offered, accepted = speculative_step(self.backend, decoding, k, tree)
+            offered, kept = speculative_step(self.backend, decoding, k, tree)
             if self.draft_policy is not None:
-                for s, n, a in zip(decoding, offered, accepted):
+                for s, n, path in zip(decoding, offered, kept):
                     if s.finish_reason is None:  # observe only steps the stop rules did not cut
-                        self.draft_policy.observe(n, a)
+                        self.draft_policy.observe_path(n, path)
             finished += [self._finish(s.seq_id) for s in decoding if s.finish_reason is not None]
         if not admitted and not decoding and self._waiting:
             raise KVCacheFullError("no request can be admitted: the KV pool is too small for the next request")

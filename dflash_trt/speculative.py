@@ -121,9 +121,10 @@ def rejection_accept(drafts: list[int], probs: torch.Tensor, generator: torch.Ge
     return len(drafts), sample(probs[len(drafts)], generator)
 
 
-def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int, tree=None) -> tuple[list[int], list[int]]:
+def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int, tree=None) -> tuple[list[int], list[list[int]]]:
     """One draft → verify → accept → commit step for every sequence in `seqs` (none finished); returns, per
-    sequence, the drafts offered and how many of them the target accepted (before any stop rule).
+    sequence, the drafts offered and the kept path as node indices, root first (0..accepted for a chain; before
+    any stop rule).
     `tree` (tree.TreeSpec): greedy sequences verify a tree of up to `tree.nodes` drafts, depth ≤ max_drafts;
     sequences that sample verify the chain of the same pass."""
     ids = [s.seq_id for s in seqs]
@@ -159,10 +160,10 @@ def speculative_step(backend: Backend, seqs: list[Sequence], max_drafts: int, tr
     backend.commit(ids, [a + 1 for a in accepted])
     for s, d, a, t in zip(seqs, drafts, accepted, next_tokens):
         s.accepted_lengths.append(s.append(d[:a] + [t]))
-    return num_drafts, accepted
+    return num_drafts, [list(range(a + 1)) for a in accepted]
 
 
-def _tree_step(backend: Backend, seqs: list[Sequence], num_drafts: list[int], spec) -> tuple[list[int], list[int]]:
+def _tree_step(backend: Backend, seqs: list[Sequence], num_drafts: list[int], spec) -> tuple[list[int], list[list[int]]]:
     from .tree import accept_tree, build_tree, chain
 
     ids = [s.seq_id for s in seqs]
@@ -178,8 +179,7 @@ def _tree_step(backend: Backend, seqs: list[Sequence], num_drafts: list[int], sp
         blocks.append([s.last_token] + nodes)
         parents.append(par)
     scores = backend.verify_tree(ids, blocks, parents, [not s.params.greedy for s in seqs])
-    offered, accepted = [], []
-    kept_paths, emitted = [], []
+    offered, kept_paths, emitted = [], [], []
     for s, block, par, sc in zip(seqs, blocks, parents, scores):
         if s.params.greedy:
             path, bonus = accept_tree(block, par, sc.tokens.tolist())
@@ -189,9 +189,8 @@ def _tree_step(backend: Backend, seqs: list[Sequence], num_drafts: list[int], sp
         kept_paths.append(path)
         emitted.append([block[i] for i in path[1:]] + [bonus])
         offered.append(len(block) - 1)
-        accepted.append(len(path) - 1)
     # The root and the kept path's nodes now have K/V in the target cache, moved to consecutive slots.
     backend.commit_paths(ids, kept_paths)
     for s, tokens in zip(seqs, emitted):
         s.accepted_lengths.append(s.append(tokens))
-    return offered, accepted
+    return offered, kept_paths

@@ -134,7 +134,8 @@ def add_tree_flags(parser) -> None:
     parser.add_argument("--tree", type=int, metavar="N", default=None,
                         help="tree verification (greedy, DFlash drafter): verify a best-first tree of N draft tokens built from "
                              "each block slot's top-k candidates (the N likeliest paths; the greedy chain as far as its nodes are among "
-                             "them) instead of the chain; N <= block_size - 1; implies --draft-length fixed")
+                             "them) instead of the chain; N <= block_size - 1; with --draft-length auto (the default) each step verifies the "
+                             "tree of n <= N nodes, or none (plain decoding), that the measured step cost says pays best")
     parser.add_argument("--tree-top-k", type=int, default=4, metavar="K", help="candidates kept per block slot for --tree")
 
 

@@ -213,9 +213,54 @@ def test_sampled_requests_in_a_tree_batch_verify_the_chain_and_sample_as_before(
     assert [o.output_ids for o in tree_outs][::2] == refs["llama"][::2]
 
 
-def test_a_tree_wider_than_the_block_or_with_auto_draft_length_is_refused(setup):
+def test_a_tree_wider_than_the_block_is_refused(setup):
     backend = _backend(setup, "llama", block=4)
     with pytest.raises(ConfigError, match="at most 3"):
         Generator(backend, tree=TreeSpec(4))
-    with pytest.raises(ConfigError, match="draft-length fixed"):
-        Generator(backend, tree=TreeSpec(3), draft_policy=object())
+
+
+def test_best_first_trees_are_nested_so_one_verify_tells_what_each_smaller_tree_commits():
+    """What TreePolicy relies on: the tree of n nodes is the first n nodes of the tree of N, and accepting on it
+    keeps the nodes ≤ n of the big tree's kept path."""
+    rng = random.Random(3)
+    for _ in range(200):
+        slots, k = rng.randrange(1, 6), rng.randrange(1, 5)
+        tokens = [rng.sample(range(20), k) for _ in range(slots)]
+        logprobs = [sorted((-rng.random() * 4 for _ in range(k)), reverse=True) for _ in range(slots)]
+        big, big_parents = build_tree(tokens, logprobs, 12)
+        argmax = [rng.choice([t for row in tokens for t in row]) for _ in range(len(big) + 1)]
+        big_path, _ = accept_tree([0] + big, big_parents, argmax)
+        for n in range(1, len(big) + 1):
+            small, small_parents = build_tree(tokens, logprobs, n)
+            assert (small, small_parents) == (big[:n], big_parents[: n + 1])
+            path, _ = accept_tree([0] + small, small_parents, argmax[: n + 1])
+            assert path == [i for i in big_path if i <= n]
+
+
+def test_tree_policy_chooses_the_brute_force_optimum_and_stays_lossless(setup):
+    from dflash_trt.draft_length import StepCost, TreePolicy
+
+    cost = StepCost([1, 4, 8], [0, 3, 15], [[1.0, 1.05, 1.6], [1.5, 3.0, 6.0], [2.0, 8.0, 16.0]])
+    policy = TreePolicy(cost, 7, decay=1.0)
+    rng = random.Random(0)
+    for _ in range(300):  # kept paths of a 7-node tree: node 1 right 70%, then node 2 or 3 40% each
+        path = [0] + ([1] if rng.random() < 0.7 else [])
+        if len(path) == 2 and rng.random() < 0.8:
+            path.append(rng.choice([2, 3]))
+        policy.observe_path(7, path)
+    e = [policy.expected_tokens(n) for n in range(8)]
+    assert e[0] == 1.0 and e[1] == pytest.approx(1.7, abs=0.1) and e[3] == pytest.approx(1.7 + 0.56, abs=0.1)
+    assert e[2] == pytest.approx(1.7 + 0.28, abs=0.1) and e[7] == pytest.approx(e[3], abs=0.01)  # only the priors differ
+    for batch in (1, 4, 8):
+        assert policy.choose(batch) == max(range(8), key=lambda n: (batch * e[n] / cost(batch, n), -n))
+    assert policy.choose(1) == 3 and policy.choose(8) == 0  # a cheap small tree alone; plain decoding at batch 8
+
+    _, prompts, refs, _ = setup
+    oracle = OracleCandidates(_backend(setup, "llama"), prompts, refs["llama"], seed=1)
+    chosen = []
+    live = TreePolicy(cost, 7)
+    choose = live.choose
+    live.choose = lambda b: chosen.append(choose(b)) or chosen[-1]
+    outs = Generator(oracle, max_batch=4, tree=TreeSpec(7, 3), draft_policy=live).generate(prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [o.output_ids for o in outs] == refs["llama"]
+    assert len(set(chosen)) >= 2 and oracle.off_chain > 0  # the size changed as the batch drained
