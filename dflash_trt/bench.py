@@ -400,6 +400,7 @@ def cmd_bench(args) -> int:
         drafter = load_drafter(args.drafter, cfg, dtype=DTYPES[args.dtype])
         dflash = TorchBackend(target, drafter, num_pages=pages, block_size=args.block_size, cpu_weights=weights)
         methods.append(Method("dflash", dflash, args.max_verify_tokens))
+        cost = None  # the step cost of --draft-length auto: dflash-auto and the trees choose each step's width from it
         if args.draft_length == "auto":
             from .draft_length import auto_policy
 
@@ -408,8 +409,8 @@ def cmd_bench(args) -> int:
             identity = calibration_identity(args.target, args.drafter, weights_label(args.dtype, weights), "dflash", dflash.block_size)
             policy = auto_policy(dflash, identity, max(concurrency + [1]), progress=not args.quiet)
             if policy is not None:
-                methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, policy.cost))
-        cost = methods[-1].step_cost if methods[-1].name == "dflash-auto" else None  # auto: trees fall back to plain decoding too
+                cost = policy.cost
+                methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, cost))
         for nodes in _tree_sizes(args.tree, dflash.max_drafts):
             methods.append(Method(f"dflash-tree{nodes}", dflash, args.max_verify_tokens, cost, tree=TreeSpec(nodes, args.tree_top_k)))
     if weights != "dense":  # the same decoding on the dense weights: how often int8 changes the greedy output, and its speed

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tree import ancestors, chain, depths
+
 # Request types of `host_request_types` (runtime/common.h RequestType: context 0, generation 1).
 CONTEXT, GENERATION = 0, 1
 
@@ -154,16 +156,9 @@ def chain_paths(dims: Dims, batch: int) -> torch.Tensor:
     return paths
 
 
-def chain_position_offsets(dims: Dims, batch: int) -> torch.Tensor:
-    """[B, D]: the depth of each verify-block token in the tree; for a chain, 0..K."""
-    return torch.arange(dims.max_decoding_tokens, dtype=torch.int32).expand(batch, -1).contiguous()
-
-
 def chain_packed_mask(dims: Dims, batch: int) -> torch.Tensor:
     """[B, D, W] int32: bit j of row i set when verify token i may attend verify token j; a chain is causal.
     (The runtime passes the generation rows' masks flattened, [G·D, W].)"""
-    from ..tree import chain
-
     return tree_packed_mask(dims, chain(dims.max_draft_len)).expand(batch, -1, -1).contiguous()
 
 
@@ -204,8 +199,6 @@ def parents_of_paths(paths: torch.Tensor, num_tokens: int) -> list[int]:
 
 def tree_position_offsets(dims: Dims, parents: list[int]) -> torch.Tensor:
     """[D]: each block token's depth (0 for the root); entries past the block 0."""
-    from ..tree import depths
-
     out = torch.zeros(dims.max_decoding_tokens, dtype=torch.int32)
     out[: len(parents)] = torch.tensor(depths(parents), dtype=torch.int32)
     return out
@@ -213,8 +206,6 @@ def tree_position_offsets(dims: Dims, parents: list[int]) -> torch.Tensor:
 
 def tree_packed_mask(dims: Dims, parents: list[int]) -> torch.Tensor:
     """[D, W] int32: bit j of row i set when token j is token i or one of its ancestors (rows past the block 0)."""
-    from ..tree import ancestors
-
     mask = torch.zeros(dims.max_decoding_tokens, dims.packed_mask_words, dtype=torch.int64)
     for i, row in enumerate(ancestors(parents).tolist()):
         for j, seen in enumerate(row):
