@@ -53,15 +53,36 @@ def common_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--schedule", choices=["cosine", "linear"], default="cosine", help="learning-rate decay after the warmup")
     ap.add_argument("--heldout", type=float, default=0.0, help="fraction of sequences held out of training for the learning curve, "
                     "chosen by a hash of the prompt id (the same ones in every run, whatever the data's size; 0: no curve)")
+    ap.add_argument("--lineage-mix", default=None,
+                    help="domain=count,... the prompt mix the --init-from drafter (and its ancestors) trained on, as its card "
+                         "states: those prompts are never held out, so a resumed run's curve is measured on prompts its lineage never saw")
     ap.add_argument("--eval-every", type=float, default=5.0, help="minutes between held-out evaluations (each also writes a checkpoint)")
     ap.add_argument("--force", action="store_true")
     return ap
 
 
-def split_heldout(seqs: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+def lineage_prompts(mix: str | None) -> set[tuple[str, str]]:
+    """(domain, prompt id) of every training prompt of a mix "domain=count,..." (make_training_data's --mix: the same
+    seeded prompts, so a larger count of a domain holds the smaller one's prompts first)."""
+    from dflash_trt.prompts import load_train_prompts
+
+    seen: set[tuple[str, str]] = set()
+    for item in (mix or "").split(","):
+        if item.strip():
+            domain, _, count = item.partition("=")
+            if not count.isdigit():
+                raise SystemExit(f"--lineage-mix: {item!r} is not domain=count")
+            seen |= {(p.domain, str(p.id)) for p in load_train_prompts(domain.strip(), int(count), seed=0)}
+    return seen
+
+
+def split_heldout(seqs: list[dict], fraction: float, seen: set[tuple[str, str]] = frozenset()) -> tuple[list[dict], list[dict]]:
     """(training, held-out): a sequence is held out when a hash of its domain and prompt id falls under `fraction`, so
-    the split never changes as data is added, and a resumed run never trains on what an earlier run held out."""
+    the split never changes as data is added, and a resumed run never trains on what an earlier run held out.
+    Prompts in `seen` (lineage_prompts: what the drafter a run resumes from trained on) are never held out."""
     def held(s: dict) -> bool:
+        if (s.get("domain"), str(s.get("id"))) in seen:
+            return False
         digest = hashlib.sha1(f"{s.get('domain')}/{s.get('id')}".encode()).digest()
         return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_common import build_drafter, common_args, export, finish, fit, load_inputs, model_card, previous_curve, split_heldout, training_head
+from train_common import build_drafter, common_args, export, finish, fit, load_inputs, model_card, lineage_prompts, previous_curve, split_heldout, training_head
 
 from dflash_trt.config import DRAFTER_ARCHITECTURE, load_target_config
 from dflash_trt.models.drafter import DFlashDrafter
@@ -200,7 +200,7 @@ def main(argv=None) -> None:
     if Path(args.out).exists() and not args.force:
         ap.error(f"{args.out} exists (pass --force to replace it)")
     info, seqs, target = load_inputs(args)
-    seqs, heldout = split_heldout(seqs, args.heldout)
+    seqs, heldout = split_heldout(seqs, args.heldout, lineage_prompts(args.lineage_mix))
     embed = target.model.embed_tokens.weight.detach()
     if args.init_from:
         raw_cfg = json.loads((Path(args.init_from) / "config.json").read_text())

@@ -171,3 +171,22 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_lineage_prompts_are_never_held_out_and_the_rest_split_as_before():
+    """--lineage-mix: what the resumed drafter trained on stays out of the held-out set (its τ there would be a
+    training score); every other sequence is held out by the same hash as without the flag."""
+    mix = "code=30,chat=20"
+    seen = train_common.lineage_prompts(mix)
+    from dflash_trt.prompts import load_train_prompts
+
+    code, chat = load_train_prompts("code", 90, seed=0), load_train_prompts("chat", 60, seed=0)
+    assert len(seen) == 50 and {("code", p.id) for p in code[:30]} <= seen and not {("code", p.id) for p in code[30:]} & seen
+    seqs = [{"domain": p.domain, "id": p.id} for p in code + chat]
+    _, plain = train_common.split_heldout(seqs, 0.5)
+    train, held = train_common.split_heldout(seqs, 0.5, seen)
+    assert held and not {(s["domain"], s["id"]) for s in held} & seen
+    assert held == [s for s in plain if (s["domain"], s["id"]) not in seen]  # the rest: the same hash split
+    assert len(train) + len(held) == len(seqs)
+    with pytest.raises(SystemExit, match="--lineage-mix"):
+        train_common.lineage_prompts("code:30")
