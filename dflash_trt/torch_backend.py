@@ -40,7 +40,7 @@ class TorchBackend:
         `fuse`: one q/k/v and one gate/up matmul per layer (layers.FusedLinear) in the target and the drafter;
         False runs every projection apart, as the checkpoint names them.
         `cpu_weights` "int8": the target's weights become weight-only int8 (models.packed: packed kernels for
-        steps of few rows, bf16 matmuls of the same weights for wider ones; needs a bf16 target); the drafter
+        steps of few rows, dense matmuls of the same weights for wider ones; a bf16 or fp32 target); the drafter
         stays in its dtype."""
         self.target, self.drafter = target, drafter
         for model in (target, drafter):

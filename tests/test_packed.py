@@ -68,8 +68,30 @@ def test_both_kernels_compute_the_dequantized_matmul():
         assert (y.float() - ref).abs().max() <= 2 ** -7 * ref.abs().max() + 2 ** -7
         if rows > 2:
             assert torch.equal(y, F.linear(x, w, bias))  # dense: the very matmul of the dense copy
-    with pytest.raises(TypeError, match="bf16"):
-        Int8Weight(torch.randn(4, 4))
+    with pytest.raises(TypeError, match="bf16 or fp32"):
+        Int8Weight(torch.randn(4, 4).half())
+
+
+def test_fp32_weights_take_and_give_bf16_rounded_activations_on_both_paths():
+    """An fp32 weight: both paths compute bf16(bf16(x) · (q·s)ᵀ) (computed here in float64, rounded once), so they
+    agree with it and with each other to one bf16 step of the result, and the dense path is the fp32 matmul of the
+    fp32 copy; the rest of the model stays fp32 (output dtype fp32)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 64, generator=g)
+    packed = Int8Weight(w, crossover=2)
+    assert w.dtype == torch.float32 and torch.equal(w, packed.q.float() * packed.scales.float()[:, None])
+    deq = packed.q.double() * packed.scales.double()[:, None]
+    bias = torch.randn(96, generator=g)
+    for rows in (1, 2, 3, 16):
+        x = torch.randn(rows, 64, generator=g)
+        exact = (x.to(torch.bfloat16).double() @ deq.T).to(torch.bfloat16)  # the product rounded once to bf16
+        y = packed.linear(x, bias)
+        assert y.shape == (rows, 96) and y.dtype == torch.float32
+        got = (y - bias).to(torch.bfloat16)  # y = that bf16 value + bias in fp32: undo the bias, exactly up to fp32 rounding
+        assert ((got.double() - exact.double()).abs() <= exact.double().abs() * 2 ** -7).all()  # one bf16 step at most
+        assert (got != exact).float().mean() < 0.05  # nearly always the very same rounding
+        if rows > 2:  # dense: bf16(fp32 matmul of bf16(x) with the fp32 copy)
+            assert torch.equal(y, F.linear(x.to(torch.bfloat16).float(), w).to(torch.bfloat16).float() + bias)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -107,7 +129,8 @@ def test_packed_target_equals_a_dense_target_holding_the_dequantized_weights(tmp
         del backend
 
 
-def test_greedy_with_drafts_equals_plain_decoding_on_the_same_int8_target(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_with_drafts_equals_plain_decoding_on_the_same_int8_target(tmp_path, dtype):
     """Lossless against the target as run: DFlash (oracle drafts, so long blocks are accepted) and plain decoding
     on one int8 target (packed kernel up to 2 rows, dense above, so verify blocks take the other kernel) agree;
     where bf16 rounding makes them part, the target's two logits there are a near-tie."""
@@ -117,10 +140,10 @@ def test_greedy_with_drafts_equals_plain_decoding_on_the_same_int8_target(tmp_pa
 
     target_dir = write_target(tmp_path / "t", "llama", seed=5)
     drafter_dir = write_drafter(tmp_path / "d", target_dir, num_layers=2, block_size=8)
-    target = load_target(target_dir, dtype=torch.bfloat16)
+    target = load_target(target_dir, dtype=dtype)
     ar = TorchBackend(target, None, 128, 4, cpu_weights="int8")
     pack_int8_target(target, crossover=2)  # force the crossover (the backend measured one)
-    drafter = load_drafter(drafter_dir, target.cfg, dtype=torch.bfloat16)
+    drafter = load_drafter(drafter_dir, target.cfg, dtype=dtype)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 30, 40]]
     params = SamplingParams(max_new_tokens=24)
     plain = [o.output_ids for o in Generator(ar, eos_token_ids=set(), max_batch=4).generate(prompts, params)]
@@ -137,9 +160,9 @@ def test_greedy_with_drafts_equals_plain_decoding_on_the_same_int8_target(tmp_pa
     assert flips <= 2
 
 
-def test_int8_refuses_a_target_that_is_not_bf16(tmp_path):
-    target = load_target(write_target(tmp_path / "t", "llama"), dtype=torch.float32)
-    with pytest.raises(ConfigError, match="--dtype bf16") as err:
+def test_int8_refuses_a_target_that_is_neither_bf16_nor_fp32(tmp_path):
+    target = load_target(write_target(tmp_path / "t", "llama"), dtype=torch.float16)
+    with pytest.raises(ConfigError, match="--dtype bf16 or fp32") as err:
         TorchBackend(target, None, 8, 16, cpu_weights="int8")
     assert err.value.key == "--cpu-weights"
     with pytest.raises(ConfigError, match="cpu_weights"):
@@ -152,44 +175,49 @@ def test_the_measured_crossover_is_a_probe_row_count_cached_per_shape():
     w = torch.randn(40, 32).to(torch.bfloat16)
     first = Int8Weight(w.clone()).crossover
     assert first in (0, *packed.PROBE_ROWS[:-1], packed.ALWAYS)
-    assert (40, 32, torch.get_num_threads()) in packed._crossovers
-    packed._crossovers[(40, 32, torch.get_num_threads())] = 3  # a cached value is what later weights of that shape get
+    key = (40, 32, torch.bfloat16, torch.get_num_threads())
+    assert key in packed._crossovers
+    packed._crossovers[key] = 3  # a cached value is what later weights of that shape and dtype get
     assert Int8Weight(w.clone()).crossover == 3
-    del packed._crossovers[(40, 32, torch.get_num_threads())]
+    assert Int8Weight(w.float()).crossover in (0, *packed.PROBE_ROWS[:-1], packed.ALWAYS)  # fp32: its own probe
+    assert (40, 32, torch.float32, torch.get_num_threads()) in packed._crossovers
+    del packed._crossovers[key]
 
 
-def test_generate_takes_cpu_weights_int8_and_refuses_it_on_fp32_in_one_line(tiny_dirs, capsys, tmp_path, monkeypatch):
+def test_generate_takes_cpu_weights_int8_on_bf16_and_fp32_and_refuses_fp16_in_one_line(tiny_dirs, capsys, tmp_path, monkeypatch):
     from dflash_trt.cli import main
 
     monkeypatch.setenv("DFLASH_TRT_CALIBRATION", str(tmp_path / "cal"))
     target, drafter = tiny_dirs
     common = ["generate", "--target", str(target), "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--ignore-eos", "--block-size", "4"]
-    assert main([*common, "--drafter", str(drafter), "--dtype", "bf16", "--cpu-weights", "int8"]) == 0
-    out = capsys.readouterr()
-    assert out.out.strip() and "tau=" in out.err
-    assert main([*common, "--no-drafter", "--cpu-weights", "int8"]) == 2  # --dtype fp32 (the default)
+    for dtype in ("bf16", "fp32"):
+        assert main([*common, "--drafter", str(drafter), "--dtype", dtype, "--cpu-weights", "int8"]) == 0
+        out = capsys.readouterr()
+        assert out.out.strip() and "tau=" in out.err
+    assert main([*common, "--no-drafter", "--dtype", "fp16", "--cpu-weights", "int8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--cpu-weights" in err[0] and "--dtype bf16" in err[0]
+    assert len(err) == 1 and "--cpu-weights" in err[0] and "bf16 or fp32" in err[0]
 
 
-def test_the_floor_counts_the_packed_bytes_a_one_token_step_reads(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_floor_counts_the_packed_bytes_a_one_token_step_reads(tmp_path, dtype):
     """Closed form from transformers' modules: each matmul weight [N, K] is N·K int8 bytes + N bf16 scales; norms
-    stay bf16; the tied embedding table is the lm_head (packed too)."""
+    stay in the target's dtype; the tied embedding table is the lm_head (packed too)."""
     import transformers
 
     from dflash_trt.bench import weight_bytes
 
     path = write_target(tmp_path / "t", "llama", tie=True)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     matmuls = [m.weight for m in hf.modules() if isinstance(m, torch.nn.Linear) and m is not hf.lm_head]
     matmuls.append(hf.model.embed_tokens.weight)
     norms = [p for n, p in hf.named_parameters() if "norm" in n]
     expected = sum(w.shape[0] * w.shape[1] + 2 * w.shape[0] for w in matmuls) + sum(p.nbytes for p in norms)
-    target = load_target(path, dtype=torch.bfloat16)
+    target = load_target(path, dtype=dtype)
     TorchBackend(target, None, 8, 16)
     pack_int8_target(target, crossover=1)  # packed for 1-token steps whatever this machine measures
     assert weight_bytes(target) == expected
-    pack_int8_target(target, crossover=0)  # never packed: the step reads the dense bf16 weights
+    pack_int8_target(target, crossover=0)  # never packed: the step reads the dense weights
     assert weight_bytes(target) == sum(p.nbytes for p in hf.parameters())
 
 
