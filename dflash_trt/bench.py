@@ -274,6 +274,10 @@ def verdict(results: dict, methods: list[str], dtype: str) -> list[str]:
                      f"{b1[0] * 1e3:.0f} ms vs {b1[-1] * 1e3:.0f} ms), so drafting pays only where τ is above that; the auto "
                      "policy falls back to plain decoding where it is not.")
     peers = set(results.get("setup", {}).get("peers") or ())
+    int8 = results.get("setup", {}).get("cpu_weights") == "int8"
+    exact = dtype == "fp32" and not int8  # fp32 int8 matmuls round their inputs and outputs to bf16 (models.packed)
+    why = ("the int8 matmuls' bf16 rounding of a multi-token verify, another kernel or summation order than a 1-token step, "
+           "rounds the other way" if int8 else f"{dtype}'s different reduction order in a multi-token verify rounds the other way; fp32 is exact")
     for m in methods:
         if m == "ar":
             continue
@@ -284,14 +288,13 @@ def verdict(results: dict, methods: list[str], dtype: str) -> list[str]:
             lines.append(f"- `ar-dense` (plain decoding on the {dtype} weights before int8): {equal} of {total} greedy outputs equal "
                          "the int8 target's; int8 changes the model, so every other method is compared with the int8 target as run.")
         elif equal == total:
-            lines.append(f"- `{m}`'s outputs equal AR's on all {total} prompts" + (" (fp32: exact, as the tests prove)." if dtype == "fp32" and m not in peers else "."))
+            lines.append(f"- `{m}`'s outputs equal AR's on all {total} prompts" + (" (fp32: exact, as the tests prove)." if exact and m not in peers else "."))
         elif m in peers:
             lines.append(f"- `{m}` (another implementation): {equal} of {total} outputs equal AR's; where one differs first, the "
                          f"target's logits for the two tokens are within {max(gaps, default=0.0):.3f} of each other.")
         else:
             lines.append(f"- `{m}`: {equal} of {total} outputs equal AR's; the others first differ where the target's top two logits "
-                         f"are within {max(gaps):.3f} of each other (near-ties that {dtype}'s different reduction order in a "
-                         "multi-token verify rounds the other way; fp32 is exact).")
+                         f"are within {max(gaps):.3f} of each other (near-ties that {why}).")
     return lines
 
 

@@ -75,6 +75,11 @@ def test_the_verdict_says_which_method_is_fastest_why_and_whether_outputs_match(
     assert "7 of 8 outputs equal AR's" in lines[3] and "within 0.060" in lines[3]
     results["domains"]["math"]["dflash"] = row(0.8, 1.2, 4)
     assert verdict(results, ["ar", "dflash"], "fp32")[-1] == "- `dflash`'s outputs equal AR's on all 8 prompts (fp32: exact, as the tests prove)."
+    results["setup"]["cpu_weights"] = "int8"  # fp32 activations, but int8 matmuls round to bf16: not exact
+    assert verdict(results, ["ar", "dflash"], "fp32")[-1] == "- `dflash`'s outputs equal AR's on all 8 prompts."
+    results["domains"]["math"]["dflash"] = row(0.8, 1.2, 3, [0.06])
+    last = verdict(results, ["ar", "dflash"], "fp32")[-1]
+    assert "int8 matmuls' bf16 rounding" in last and "fp32 is exact" not in last
 
 
 def test_the_report_header_says_which_block_ran_in_words():
