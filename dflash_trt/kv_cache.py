@@ -203,6 +203,12 @@ class AttentionBatch:
             offset += n
         return replace(self, positions=positions, q_pos=q_pos, kv_pos=kv_pos, tree=visible, _masks={})
 
+    def valid_rows(self) -> torch.Tensor:
+        """[T] the row of each new token in the padded [B * Lq] layout (q_valid's flat nonzeros, in order)."""
+        if "valid_rows" not in self._masks:
+            self._masks["valid_rows"] = self.q_valid.reshape(-1).nonzero().squeeze(1)
+        return self._masks["valid_rows"]
+
     def mask(self, causal: bool, window: int | None) -> torch.Tensor:
         """[B, 1, Lq, Lk] bool, True where a query may attend a key.
 

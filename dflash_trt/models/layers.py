@@ -254,9 +254,12 @@ def paged_attention(
     T, nh, hd = q.shape
     B, Lk = batch.kv_slots.shape
     nkv = k_pool.shape[1]
-    qp = q[batch.q_index].transpose(1, 2)  # [B, nh, Lq, hd]
-    k = k_pool[batch.kv_slots.reshape(-1)].view(B, Lk, nkv, hd).transpose(1, 2)
-    v = v_pool[batch.kv_slots.reshape(-1)].view(B, Lk, nkv, hd).transpose(1, 2)
+    # index_select, not advanced indexing: the same gather, ~8x faster on CPU (aten::index was a fifth of a batch-16 step)
+    Lq = batch.q_index.shape[1]
+    qp = q.index_select(0, batch.q_index.reshape(-1)).view(B, Lq, nh, hd).transpose(1, 2)  # [B, nh, Lq, hd]
+    slots = batch.kv_slots.reshape(-1)
+    k = k_pool.index_select(0, slots).view(B, Lk, nkv, hd).transpose(1, 2)
+    v = v_pool.index_select(0, slots).view(B, Lk, nkv, hd).transpose(1, 2)
     mask = batch.mask(causal, window)
     if sinks is None:
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, enable_gqa=nh != nkv)
@@ -267,4 +270,4 @@ def paged_attention(
         sink = sinks.float().view(1, nh, 1, 1).expand(B, nh, scores.shape[2], 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
         out = probs.to(v.dtype) @ v
-    return out.transpose(1, 2)[batch.q_valid].reshape(T, nh * hd)
+    return out.transpose(1, 2).reshape(B * Lq, nh * hd).index_select(0, batch.valid_rows())
