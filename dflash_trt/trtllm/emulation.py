@@ -77,6 +77,12 @@ class _LayerSlots:
     def __setitem__(self, slots: torch.Tensor, value: torch.Tensor) -> None:
         self.blocks[slots // self.tpb, :, slots % self.tpb] = value.to(self.dtype)
 
+    def index_select(self, dim: int, slots: torch.Tensor) -> torch.Tensor:
+        """`pool.index_select(0, slots)`, the gather models.layers.paged_attention runs: the same rows as [slots]."""
+        if dim != 0:
+            raise ValueError("a layer's slots are gathered along dim 0")
+        return self[slots]
+
 
 class _Layers:
     """Consecutive layers' `_LayerSlots`, indexed like a `[layers, slots, heads, dim]` cache (kv_inject's `k_cache`)."""
