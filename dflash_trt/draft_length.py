@@ -119,9 +119,15 @@ def calibrate(backend, max_batch: int = 16, progress=None) -> StepCost | None:
     return StepCost(batches, drafts, seconds)
 
 
+# Part of every calibration's key: bump it when a change to the runtime moves step costs (e.g. 2: one-row fp32 matmuls
+# run as two rows), so a table cached by an older runtime is measured again instead of steering the policy wrongly.
+COST_REVISION = "2"
+
+
 def cache_key(*parts: str) -> str:
-    """A calibration's identity: the models, dtype and thread count given, plus this machine and torch."""
-    machine = [platform.machine(), platform.processor() or "", str(os.cpu_count()), torch.__version__, str(torch.get_num_threads())]
+    """A calibration's identity: the models, dtype and thread count given, plus this machine, torch and COST_REVISION."""
+    machine = [platform.machine(), platform.processor() or "", str(os.cpu_count()), torch.__version__, str(torch.get_num_threads()),
+               f"cost-revision-{COST_REVISION}"]
     return hashlib.sha256("\0".join([*parts, *machine]).encode()).hexdigest()[:16]
 
 

@@ -64,6 +64,9 @@ def test_calibration_is_cached_and_not_measured_again(tiny_dirs, tmp_path, monke
     monkeypatch.setattr(dl, "measure_step", no_measuring)
     assert dl.load_or_calibrate(backend, "k", tmp_path, max_batch=2).to_json() == cost.to_json()
     assert dl.cache_key("a", "b") != dl.cache_key("a", "c")
+    before = dl.cache_key("a", "b")
+    monkeypatch.setattr(dl, "COST_REVISION", dl.COST_REVISION + "x")  # a runtime whose costs moved measures again
+    assert dl.cache_key("a", "b") != before
 
 
 def test_calibration_fits_a_small_pool_or_gives_up(tiny_dirs, tmp_path):

@@ -57,6 +57,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # Row counts at which a CPU fp32 matmul runs as (W · xᵀ)ᵀ (see dense_linear); 0 turns it off.
 SMALL_ROWS = (1, 16)
+# One row runs as two (the row twice): measured on a 2-core AVX512 EPYC, SmolLM2-135M fp32, weights from DRAM, the
+# step's matmuls took 42 ms as GEMVs and 17 ms as 2-row GEMMs (examples/bench/drafter-r2/README.md).
+PAD_ONE_ROW = True
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,7 +73,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rows = x.numel() // x.shape[-1]
     lo, hi = SMALL_ROWS
     if lo <= rows <= hi and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and not torch.is_grad_enabled():
-        y = torch.mm(weight, x.t()).t().contiguous()
+        if rows == 1 and PAD_ONE_ROW:  # as two rows: the GEMM kernel streams W from memory far faster than the GEMV
+            y = torch.mm(weight, x.expand(2, -1).contiguous().t())[:, :1].t().contiguous()
+        else:
+            y = torch.mm(weight, x.t()).t().contiguous()
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
