@@ -154,3 +154,17 @@ def load_train_prompts(domain: str, limit: int, cache_dir: Path | None = None, s
         random.Random(seed).shuffle(prompts)
         return prompts[:limit]
     raise ValueError(f"no training prompts for domain {domain!r}; expected one of code, gsm, chat, multilingual")
+
+
+def load_train_mix(mix: str, cache_dir: Path | None = None) -> list[Prompt]:
+    """The training prompts of a mix "domain=count,..." (make_training_data's --mix), domain by domain in the mix's
+    order, each domain's first `count` of its seeded order (so a larger count holds the smaller one's prompts first)."""
+    prompts: list[Prompt] = []
+    for item in mix.split(","):
+        if not item.strip():
+            continue
+        domain, _, count = item.partition("=")
+        if not count.strip().isdigit():
+            raise ValueError(f"{item!r} is not domain=count")
+        prompts += load_train_prompts(domain.strip(), int(count), cache_dir=cache_dir, seed=0)
+    return prompts

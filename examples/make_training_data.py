@@ -23,7 +23,7 @@ from dflash_trt.loading import DTYPES, encode_prompt, generation_eos_ids, load_t
 from dflash_trt.config import build_target_layer_ids, load_target_config
 from dflash_trt.kv_cache import pool_pages
 from dflash_trt.progress import progress_bar
-from dflash_trt.prompts import load_train_prompts
+from dflash_trt.prompts import load_train_mix
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.torch_backend import TorchBackend
@@ -61,10 +61,7 @@ def main() -> None:
     cfg = load_target_config(args.target)
     layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else build_target_layer_ids(cfg.num_layers, 3)
     tok = load_tokenizer(args.target)
-    prompts = []
-    for item in args.mix.split(","):
-        domain, count = item.split("=")
-        prompts += load_train_prompts(domain, int(count), seed=0)
+    prompts = load_train_mix(args.mix)
     if args.order == "shuffled":
         random.Random(0).shuffle(prompts)
     out = Path(args.out)

@@ -62,18 +62,14 @@ def common_args(description: str) -> argparse.ArgumentParser:
 
 
 def lineage_prompts(mix: str | None) -> set[tuple[str, str]]:
-    """(domain, prompt id) of every training prompt of a mix "domain=count,..." (make_training_data's --mix: the same
-    seeded prompts, so a larger count of a domain holds the smaller one's prompts first)."""
-    from dflash_trt.prompts import load_train_prompts
+    """(domain, prompt id) of every training prompt of a mix "domain=count,..." (prompts.load_train_mix, what
+    make_training_data's --mix generates from)."""
+    from dflash_trt.prompts import load_train_mix
 
-    seen: set[tuple[str, str]] = set()
-    for item in (mix or "").split(","):
-        if item.strip():
-            domain, _, count = item.partition("=")
-            if not count.isdigit():
-                raise SystemExit(f"--lineage-mix: {item!r} is not domain=count")
-            seen |= {(p.domain, str(p.id)) for p in load_train_prompts(domain.strip(), int(count), seed=0)}
-    return seen
+    try:
+        return {(p.domain, str(p.id)) for p in load_train_mix(mix or "")}
+    except ValueError as e:
+        raise SystemExit(f"--lineage-mix: {e}") from None
 
 
 def split_heldout(seqs: list[dict], fraction: float, seen: set[tuple[str, str]] = frozenset()) -> tuple[list[dict], list[dict]]:

@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from .layers import MLP, AttentionProjections, dense_linear
 
 INT8_MAX = 127
-CPU_WEIGHTS = ("dense", "int8")  # --cpu-weights: the weights in --dtype, or weight-only int8 (bf16 only)
+CPU_WEIGHTS = ("dense", "int8")  # --cpu-weights: the weights in --dtype, or weight-only int8 (bf16 or fp32 targets)
 PROBE_ROWS = (1, 2, 4, 8, 16)  # row counts at which the crossover is measured
 
 _crossovers: dict[tuple, int] = {}  # (N, K, dense dtype, threads) → largest M where the packed kernel is faster
