@@ -21,6 +21,7 @@ import gzip
 import io
 import json
 import random
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,62 @@ def _codeio(cache_dir) -> list[Prompt]:
     ]
 
 
+# reasoning-gym generators whose questions ask for worked steps (not "give only the answer"), MATH-500's neighbours
+MATHGEN_TASKS = ("simple_equations", "polynomial_equations", "simple_integration", "intermediate_integration",
+                 "polynomial_multiplication", "complex_arithmetic", "advanced_geometry", "simple_geometry", "lcm",
+                 "prime_factorization", "fraction_simplification")
+
+
+def _mathgen(size: int, seed: int) -> list[Prompt]:
+    """Generated algebra / calculus / geometry / number-theory questions (reasoning-gym), first paragraph only (the
+    generators' answer-format rules are dropped: the evaluation sets' questions carry none)."""
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError("the mathgen prompt set needs reasoning-gym: pip install 'reasoning-gym==0.1.25'") from e
+    per_task = -(-size // len(MATHGEN_TASKS))
+    sets = [reasoning_gym.create_dataset(t, size=per_task, seed=seed) for t in MATHGEN_TASKS]
+    out = []
+    for i in range(per_task):
+        for t, ds in zip(MATHGEN_TASKS, sets):
+            q = ds[i]["question"].split("\n")[0]
+            q = re.sub(r"\s*(Give only|Only reply|Return (?:only|your final answer)|Write the factors|For all geometry problems).*$", "", q)
+            out.append(Prompt(f"mathgen/{t}/{seed}/{i}", "math", q))
+    return out[:size]
+
+
+def _stdlib_functions() -> list[Prompt]:
+    """Public functions with docstrings from this interpreter's standard library (not its tests), as HumanEval asks:
+    the signature and docstring, to complete. Read with `ast` (never imported or run)."""
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "idlelib", "lib2to3", "site-packages", "turtledemo", "tkinter", "ensurepip", "pydoc_data"}
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if skip & set(rel.parts):
+            continue
+        try:
+            src = path.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = src.splitlines()
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            body = node.body
+            if not doc or len(doc) < 40 or len(body) < 2 or node.end_lineno - node.lineno > 60:
+                continue
+            head = "\n".join(lines[node.lineno - 1 : body[0].end_lineno]) + "\n"
+            out.append(Prompt(f"stdlib/{rel.as_posix()}/{node.name}", "code",
+                              f"Complete the following Python function:\n\n```python\n{head}```"))
+    return out
+
+
 def _chatterbot(english: bool, cache_dir) -> list[Prompt]:
     import yaml
 
@@ -147,13 +204,19 @@ def load_train_prompts(domain: str, limit: int, cache_dir: Path | None = None, s
         prompts = _codeio(cache_dir)
         random.Random(seed).shuffle(prompts)
         return prompts[:limit]
+    if domain == "pyfunc":
+        prompts = _stdlib_functions()
+        random.Random(seed).shuffle(prompts)
+        return prompts[:limit]
     if domain == "gsm":
         return _gsm("train", limit, seed=seed + 100)
+    if domain == "mathgen":
+        return _mathgen(limit, seed=seed + 200)
     if domain in ("chat", "multilingual"):
         prompts = _chatterbot(domain == "chat", cache_dir)
         random.Random(seed).shuffle(prompts)
         return prompts[:limit]
-    raise ValueError(f"no training prompts for domain {domain!r}; expected one of code, gsm, chat, multilingual")
+    raise ValueError(f"no training prompts for domain {domain!r}; expected one of code, pyfunc, gsm, mathgen, chat, multilingual")
 
 
 def load_train_mix(mix: str, cache_dir: Path | None = None) -> list[Prompt]:

@@ -35,7 +35,8 @@ def load_shards(data_dir: Path) -> list[dict]:
 def common_args(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", required=True, help="make_training_data's --out; several, comma-separated, train on all "
+                                                    "of them (same target and layer ids)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seqs-per-step", type=int, default=4)
     ap.add_argument("--epochs", type=float, default=2.0)
@@ -94,8 +95,29 @@ def previous_curve(init_from: str | None) -> list[dict]:
 def load_inputs(args):
     """(data info, sequences, target model) for a trainer's arguments."""
     torch.set_num_threads(args.threads)
-    info = json.loads((Path(args.data) / "info.json").read_text())
-    return info, load_shards(Path(args.data)), load_target(args.target)
+    info, seqs = merge_data([Path(d) for d in args.data.split(",") if d.strip()])
+    return info, seqs, load_target(args.target)
+
+
+def merge_data(dirs: list[Path]) -> tuple[dict, list[dict]]:
+    """(combined info, all sequences) of several make_training_data outputs, which must agree on the target's layer
+    ids and generation settings (a sequence's features are only comparable then)."""
+    infos = []
+    for d in dirs:
+        path = d / "info.json"
+        if not path.is_file():
+            raise SystemExit(f"{path}: missing (is {d} a make_training_data --out directory?)")
+        infos.append(json.loads(path.read_text()))
+    first = infos[0]
+    for d, info in zip(dirs[1:], infos[1:]):
+        for key in ("layer_ids", "max_new_tokens"):
+            if info.get(key) != first.get(key):
+                raise SystemExit(f"{d / 'info.json'}: {key} = {info.get(key)!r}, {dirs[0] / 'info.json'} has {first.get(key)!r}; "
+                                 "data sets trained on together must agree")
+    seqs = [s for d in dirs for s in load_shards(d)]
+    merged = dict(first, mix=",".join(i["mix"] for i in infos), sequences=sum(i["sequences"] for i in infos),
+                  generated_tokens=sum(i["generated_tokens"] for i in infos))
+    return merged, seqs
 
 
 def build_drafter(cls, raw_cfg: dict, args, seqs: list[dict], architecture: str):

@@ -16,7 +16,7 @@ def test_eval_sets_have_the_documented_counts(domain, count):
 
 def test_training_prompts_are_disjoint_from_evaluation_prompts():
     eval_texts = {p.text for d in EVAL_DOMAINS for p in load_eval_prompts(d)}
-    for domain in ("code", "gsm", "chat", "multilingual"):
+    for domain in ("code", "pyfunc", "gsm", "mathgen", "chat", "multilingual"):
         train = load_train_prompts(domain, 500)
         assert len(train) == 500
         assert not eval_texts & {p.text for p in train}, domain
@@ -24,3 +24,18 @@ def test_training_prompts_are_disjoint_from_evaluation_prompts():
     eval_templates = {p.id.split("/")[2] for p in load_eval_prompts("gsm")}
     train_templates = {p.id.split("/")[2] for p in load_train_prompts("gsm", 2000)}
     assert len(eval_templates) == 15 and not eval_templates & train_templates
+
+
+def test_stdlib_function_prompts_are_humaneval_shaped_and_mathgen_drops_answer_rules():
+    import ast
+
+    funcs = load_train_prompts("pyfunc", 10_000)
+    assert len(funcs) > 500 and len({p.id for p in funcs}) == len(funcs)
+    for p in funcs[:200]:
+        body = p.text.split("```python\n", 1)[1].removesuffix("```")
+        tree = ast.parse(body + "    pass\n")  # a signature and docstring, nothing else: the body is the model's
+        (fn,) = tree.body
+        assert isinstance(fn, ast.FunctionDef) and ast.get_docstring(fn) and len(fn.body) == 2, p.id
+    math = load_train_prompts("mathgen", 220)
+    assert len(math) == 220 and len({p.text for p in math}) > 200
+    assert not [p.text for p in math if "\n" in p.text or "final answer" in p.text or "Return only" in p.text]

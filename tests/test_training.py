@@ -190,3 +190,19 @@ def test_lineage_prompts_are_never_held_out_and_the_rest_split_as_before():
     assert len(train) + len(held) == len(seqs)
     with pytest.raises(SystemExit, match="--lineage-mix"):
         train_common.lineage_prompts("code:30")
+
+
+def test_several_data_directories_train_as_one_and_must_agree(tiny_data, tmp_path):
+    _, data, _, _ = tiny_data
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in data.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    info, seqs = train_common.merge_data([data, other])
+    one = train_common.load_shards(data)
+    assert len(seqs) == 2 * len(one) and info["sequences"] == 12 and info["generated_tokens"] == 480
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(seqs, one + one))
+    raw = json.loads((other / "info.json").read_text())
+    (other / "info.json").write_text(json.dumps(dict(raw, layer_ids=[0, 1])))
+    with pytest.raises(SystemExit, match=r"other/info.json: layer_ids"):
+        train_common.merge_data([data, other])
