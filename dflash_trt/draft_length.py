@@ -12,12 +12,23 @@ drafts are rarely accepted. Two measurements decide instead:
 `DraftLengthPolicy.choose(B)` returns the k ∈ [0, max_drafts] maximising B · E[tokens | k] / cost(B, k) with
 E[tokens | k] = 1 + Σ_{j ≤ k} Π_{i ≤ j} α_i (the bonus token always comes). k = 0 is plain decoding (no drafter
 pass). Any k keeps the output exactly the target's (the loop is lossless for every block size).
+
+Two corrections from what the run itself measures (`PolicyFeedback`, both policies):
+- the calibration's steps run at a short synthetic context with one pending context row; real steps run at longer
+  contexts and, after a stretch of plain decoding, inject every row the drafter has not seen yet. So each step's wall
+  time is compared with the calibration's prediction, separately for plain (k = 0) and drafting steps, and the
+  drafting cost is scaled by the ratio of the two running (geometric-mean) ratios;
+- a policy that has fallen back to k = 0 observes no acceptance any more, so it would never notice that drafting
+  pays again (a code block in a chat answer): after `probe_after` plain steps in a row it drafts once (the best
+  k ≥ 1), and the interval doubles after each probe that gets no draft accepted (so while nothing is accepted, N
+  plain steps hold at most log2(N / probe_after + 1) probes).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -183,29 +194,81 @@ class AcceptanceStats:
         return total
 
 
-class DraftLengthPolicy:
-    def __init__(self, cost: StepCost, max_drafts: int):
-        self.cost, self.max_drafts = cost, max_drafts
+class PolicyFeedback:
+    """The run's own measurements on top of the calibration (module docstring): the cost of drafting steps relative
+    to plain ones, and re-probing after a fallback to plain decoding. Subclasses give `expected_tokens(k)` and
+    `max_drafts`, and call `_pick(batch)`.
+
+    The choice depends on wall time, so it is for one process: under tensor parallelism every rank must take the
+    same k, and the runtime there uses fixed widths (no policy)."""
+
+    def __init__(self, cost: StepCost, probe_after: int = 32, cost_decay: float = 0.9):
+        self.cost, self.probe_after, self.cost_decay = cost, probe_after, cost_decay
+        # running mean of log(measured / predicted) for plain (False) and drafting (True) steps, prior 0 (weight 2)
+        self._log_ratio = {False: 0.0, True: 0.0}
+        self._ratio_weight = {False: 2.0, True: 2.0}
+        self._plain_run, self._interval, self._probing, self._probe_hit = 0, probe_after, False, False
+
+    def drafting_cost_scale(self) -> float:
+        """Measured cost of drafting steps over plain ones, each relative to the calibration's prediction."""
+        return math.exp(self._log_ratio[True] - self._log_ratio[False])
+
+    def observe_time(self, batch: int, num_drafts: int, seconds: float) -> None:
+        """One step's wall time (draft + verify + commit of `batch` sequences, `num_drafts` each)."""
+        predicted = self.cost(batch, num_drafts)
+        if seconds <= 0 or predicted <= 0:
+            return
+        key = num_drafts > 0
+        w = self._ratio_weight[key] * self.cost_decay
+        self._log_ratio[key] = (self._log_ratio[key] * w + math.log(seconds / predicted)) / (w + 1.0)
+        self._ratio_weight[key] = w + 1.0
+
+    def _rate(self, batch: int, k: int) -> float:
+        scale = self.drafting_cost_scale() if k else 1.0
+        return batch * self.expected_tokens(k) / (self.cost(batch, k) * scale)
+
+    def _pick(self, batch: int) -> int:
+        if self._probing:  # the last step was a probe: a probe that got a draft accepted keeps the interval short
+            self._interval = self.probe_after if self._probe_hit else self._interval * 2
+            self._probing = False
+        best = max(range(self.max_drafts + 1), key=lambda k: (self._rate(batch, k), -k))
+        if best:
+            self._plain_run, self._interval = 0, self.probe_after
+            return best
+        self._plain_run += 1
+        if self.probe_after and self._plain_run > self._interval:
+            self._plain_run, self._probing, self._probe_hit = 0, True, False
+            return max(range(1, self.max_drafts + 1), key=lambda k: (self._rate(batch, k), -k))
+        return 0
+
+    def _observed(self, num_accepted: int) -> None:
+        if self._probing and num_accepted > 0:
+            self._probe_hit = True
+
+
+class DraftLengthPolicy(PolicyFeedback):
+    def __init__(self, cost: StepCost, max_drafts: int, probe_after: int = 32):
+        super().__init__(cost, probe_after)
+        self.max_drafts = max_drafts
         self.stats = AcceptanceStats(max_drafts)
 
+    def expected_tokens(self, k: int) -> float:
+        return self.stats.expected_tokens(k)
+
     def choose(self, batch: int) -> int:
-        best_k, best_rate = 0, 0.0
-        for k in range(self.max_drafts + 1):
-            rate = batch * self.stats.expected_tokens(k) / self.cost(batch, k)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+        return self._pick(batch)
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:
             self.stats.observe(num_drafts, num_accepted)
+            self._observed(num_accepted)
 
     def observe_path(self, num_drafts: int, kept: list[int]) -> None:
         """A step's kept path (node indices, root first): the chain's is 0..accepted."""
         self.observe(num_drafts, len(kept) - 1)
 
 
-class TreePolicy:
+class TreePolicy(PolicyFeedback):
     """`--tree N` with `--draft-length auto`: each step verifies the best-first tree of the n ≤ N nodes (n = 0: plain
     decoding, no drafter pass) that maximises B · E[tokens | n] / cost(B, n), cost from the same calibration as the
     chain's (a tree of n nodes drafts ≤ n slots and verifies n + 1 rows, as a chain of n does).
@@ -216,8 +279,9 @@ class TreePolicy:
     nodes, with a prior of the chain policy's (2 − 0.5ⁿ, weight 2) and the same forgetting. (An estimate: a smaller
     tree's block pass drafts fewer slots, which can move the drafter's scores of the slots it keeps.)"""
 
-    def __init__(self, cost: StepCost, nodes: int, prior_weight: float = 2.0, decay: float = 0.995):
-        self.cost, self.nodes, self.decay = cost, nodes, decay
+    def __init__(self, cost: StepCost, nodes: int, prior_weight: float = 2.0, decay: float = 0.995, probe_after: int = 32):
+        super().__init__(cost, probe_after)
+        self.nodes, self.max_drafts, self.decay = nodes, nodes, decay
         self.tokens = [(2.0 - 0.5**n) * prior_weight for n in range(nodes + 1)]
         self.steps = [prior_weight] * (nodes + 1)
 
@@ -225,9 +289,11 @@ class TreePolicy:
         return self.tokens[n] / self.steps[n]
 
     def choose(self, batch: int) -> int:
-        return max(range(self.nodes + 1), key=lambda n: (batch * self.expected_tokens(n) / self.cost(batch, n), -n))
+        return self._pick(batch)
 
     def observe_path(self, num_drafts: int, kept: list[int]) -> None:
+        if num_drafts:
+            self._observed(len(kept) - 1)
         for n in range(1, min(num_drafts, self.nodes) + 1):
             self.tokens[n] = self.tokens[n] * self.decay + 1 + sum(1 for i in kept[1:] if i <= n)
             self.steps[n] = self.steps[n] * self.decay + 1

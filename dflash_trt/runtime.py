@@ -235,8 +235,10 @@ class Generator:
         if decoding:
             k = self.drafts_per_request(len(decoding))
             tree = None if self.tree is None or k == 0 else replace(self.tree, nodes=min(self.tree.nodes, k))
+            started = time.perf_counter()
             offered, kept = speculative_step(self.backend, decoding, k, tree)
             if self.draft_policy is not None:
+                self.draft_policy.observe_time(len(decoding), k, time.perf_counter() - started)
                 for s, n, path in zip(decoding, offered, kept):
                     if s.finish_reason is None:  # observe only steps the stop rules did not cut
                         self.draft_policy.observe_path(n, path)

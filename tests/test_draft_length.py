@@ -4,6 +4,7 @@ acceptance estimates and the choice against closed forms, the calibration cache,
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -102,3 +103,57 @@ def test_calibrate_subcommand_measures_once_and_generate_reuses_the_table(tiny_d
     gen = ["generate", "--target", str(target), "--drafter", str(drafter), "--prompt", "x", "--max-new-tokens", "4", "--threads", "1", "--quiet"]
     assert main(gen) == 0 and "draft length auto" in capsys.readouterr().err
     assert {p: p.stat().st_mtime_ns for p in calibration_dir().glob("step-cost-*.json")} == mtime  # generate measured nothing new
+
+
+def _settled(policy, rates):
+    policy.stats.accepted = [r * 1e6 for r in rates]
+    policy.stats.offered = [1e6] * len(rates)
+
+
+def test_measured_step_times_scale_the_drafting_cost_the_choice_sees():
+    cost = dl.StepCost([1, 16], [0, 1, 3, 7], [[1.0, 1.05, 1.2, 1.6], [4.0, 6.0, 10.0, 20.0]])
+    policy = dl.DraftLengthPolicy(cost, 7, probe_after=0)
+    _settled(policy, [0.6] * 7)
+    assert policy.choose(1) > 0
+    for _ in range(200):  # plain steps run 1.2x the calibration, drafting steps 3.6x: drafting is 3x dearer
+        policy.observe_time(1, 0, 1.2 * cost(1, 0))
+        policy.observe_time(1, 3, 3.6 * cost(1, 3))
+    assert policy.drafting_cost_scale() == pytest.approx(3.0, rel=1e-3)
+    for batch in (1, 16):
+        best = max(range(8), key=lambda k: batch * policy.stats.expected_tokens(k) / (cost(batch, k) * (3.0 if k else 1.0)))
+        assert policy.choose(batch) == best
+    assert policy.choose(1) == 0  # at 3x, 0.6 acceptance no longer pays for a draft
+    for _ in range(200):  # the same load on both kinds of step: the calibration's ratios hold again
+        policy.observe_time(1, 0, 2.0 * cost(1, 0))
+        policy.observe_time(1, 1, 2.0 * cost(1, 1))
+    assert policy.drafting_cost_scale() == pytest.approx(1.0, rel=1e-3)
+    assert policy.choose(1) == max(range(8), key=lambda k: policy.stats.expected_tokens(k) / cost(1, k))
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_after_a_fallback_the_policy_probes_with_backoff_and_recovers_when_drafts_pass(kind):
+    cost = dl.StepCost([1], [0, 1, 3, 7], [[1.0, 1.1, 1.3, 1.8]])
+    policy = dl.DraftLengthPolicy(cost, 7, probe_after=8) if kind == "chain" else dl.TreePolicy(cost, 7, probe_after=8)
+    rng = random.Random(0)
+
+    def run(steps, accept_p):
+        chosen = []
+        for _ in range(steps):
+            k = policy.choose(1)
+            accepted = 0
+            while accepted < k and rng.random() < accept_p:
+                accepted += 1
+            policy.observe_path(k, list(range(accepted + 1)))
+            chosen.append(k)
+        return chosen
+
+    dead = run(2000, 0.0)  # nothing is ever accepted
+    start = next(i for i, k in enumerate(dead) if k == 0)
+    probes = [i for i, k in enumerate(dead) if k and i > start]
+    assert 1 <= len(probes) <= 1 + int(math.log2((2000 - start) / 8 + 1))  # bounded: the gaps double
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert all(g2 - 1 == 2 * (g1 - 1) for g1, g2 in zip(gaps, gaps[1:]))  # a probe after each run of plain steps
+    live = run(3000, 0.9)  # drafts pass again: a probe notices, and drafting comes back for good
+    first = next(i for i, k in enumerate(live) if k)
+    assert first <= 2 * 8 * 2 ** len(probes)
+    assert sum(1 for k in live[-500:] if k) > 450
