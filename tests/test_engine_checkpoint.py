@@ -145,16 +145,17 @@ def test_a_damaged_engine_config_names_its_key(pairs, tmp_path):
             read_rank(engine, 0, torch.float32, part)
 
 
-def test_the_build_wrapper_takes_the_engine_checkpoint_and_says_its_network_is_missing(pairs, tmp_path):
+def test_the_build_wrapper_takes_the_engine_checkpoint_and_then_needs_tensorrt_llm(pairs, tmp_path):
     """`python -m dflash_trt.trtllm.engine_build` reads the checkpoint before anything of tensorrt_llm: the one
-    engine's is accepted and the missing network named; any other layout is refused by its architecture."""
-    from dflash_trt.trtllm import engine_build, model
+    engine's is accepted and registering its network then needs tensorrt_llm (absent here: one clear error); any
+    other layout is refused by its architecture."""
+    from dflash_trt.trtllm import api, engine_build
 
     root, models = pairs
     target, drafter = models["llama"]
     convert(target, drafter, tmp_path / "engine", fmt="engine", dtype="fp32", **QUIET)
     convert(target, drafter, tmp_path / "parts", dtype="fp32", **QUIET)
-    with pytest.raises(model.EngineNetworkUnavailable, match="DFlashForCausalLM"):
+    with pytest.raises(api.TensorRTUnavailable, match="cannot import tensorrt_llm"):
         engine_build.main(["--checkpoint_dir", str(tmp_path / "engine"), "--max_draft_len", "15"])
     with pytest.raises(ConfigError, match=r"target/config\.json: architecture: .*'LlamaForCausalLM'"):
         engine_build.main(["--checkpoint_dir", str(tmp_path / "parts" / "target")])

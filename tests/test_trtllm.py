@@ -152,13 +152,17 @@ def test_dry_run_prints_convert_and_the_one_engine_build_with_real_flags(capsys)
     assert trtllm_build[trtllm_build.index("--checkpoint_dir") + 1] == "OUT/checkpoint"
 
 
-def test_a_real_build_refuses_clearly_until_the_one_engine_network_exists(capsys):
-    """The one engine's network is not written yet (docs/engine-path.md, Status): one line, exit 2, nothing run."""
+def test_a_real_build_refuses_what_the_network_does_not_wire_and_needs_tensorrt_llm(capsys):
+    """DFlashForCausalLM wires Llama targets (engine_network.py): a Qwen3 deployment is refused naming that, a Llama
+    one needs TensorRT-LLM 1.2.x before anything runs; one line each, exit 2, no command started."""
     qwen = next(p for p in CONFIGS if p.stem.startswith("qwen3"))
     assert cli.main(["build", "--config", str(qwen), "--out", "OUT"]) == 2
     captured = capsys.readouterr()
-    assert "EAGLE contract" in captured.err and "docs/engine-path.md" in captured.err
-    assert "+ " not in captured.out
+    assert "wires LlamaForCausalLM targets only, not Qwen3ForCausalLM" in captured.err and "+ " not in captured.out
+    llama = next(p for p in CONFIGS if p.stem.startswith("llama"))
+    assert cli.main(["build", "--config", str(llama), "--out", "OUT"]) == 2
+    captured = capsys.readouterr()
+    assert "cannot import tensorrt_llm" in captured.err and "+ " not in captured.out
 
 
 RELEASED = Path(__file__).parents[1] / "examples" / "configs"

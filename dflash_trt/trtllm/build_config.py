@@ -11,6 +11,7 @@ exits 2. `--dry-run` prints the commands; a real run refuses until the one-engin
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -147,7 +148,12 @@ def build_commands(cfg: BuildConfig, out: str | None = None, plugin_lib: str | N
 
 
 class EngineBuildUnavailable(DFlashError):
-    """The one-engine build (DFlashForCausalLM on the EAGLE contract) does not exist yet."""
+    """A deployment the one-engine network (DFlashForCausalLM on the EAGLE contract) does not wire."""
+
+
+# Targets whose decoder DFlashForCausalLM builds on (engine_network.py subclasses LLaMAForCausalLM; Qwen3's per-head
+# q/k norms and gpt-oss's MoE layers are not wired there yet)
+WIRED_TARGETS = ("LlamaForCausalLM",)
 
 
 def check_models(cfg: BuildConfig) -> list[str]:
@@ -176,15 +182,22 @@ def cmd_build(args) -> int:
     commands = build_commands(cfg, args.out, args.plugin_lib)
     checked = check_models(cfg)
     if not args.dry_run:
-        raise EngineBuildUnavailable(
-            "the one-engine build on TensorRT-LLM 1.2.1's EAGLE contract has its checkpoint (`convert --format engine`) but not yet "
-            "its DFlashForCausalLM network (docs/engine-path.md: Status). --dry-run prints its commands"
-        )
-    print("# the one-engine build (docs/engine-path.md); its flags are checked against trtllm-build's, its network is not written yet", flush=True)
+        if cfg.target_architecture not in WIRED_TARGETS:
+            raise EngineBuildUnavailable(
+                f"DFlashForCausalLM (trtllm/engine_network.py) wires {', '.join(WIRED_TARGETS)} targets only, not {cfg.target_architecture} "
+                "(docs/engine-path.md: Status). --dry-run prints the commands"
+            )
+        from . import api
+
+        api.require_tensorrt_llm()  # before anything runs: the engine path needs TensorRT-LLM 1.2.x (docker/)
+    print("# the one-engine build (docs/engine-path.md); its flags are checked against trtllm-build's; DFlashForCausalLM is "
+          "trtllm/engine_network.py", flush=True)
     for line in checked:
         print(line, flush=True)
     for command in commands:
         print("+ " + shlex.join(command), flush=True)
+        if not args.dry_run:
+            subprocess.run(command, check=True)
     return 0
 
 

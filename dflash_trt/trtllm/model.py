@@ -3,8 +3,9 @@
 What exists: the checkpoint it reads (`dflash-trt convert --format engine`: DFlashForCausalLM, the target's
 tensors plus the drafter's under `drafter.`, the drafter's config as `eagle_net_config`,
 checkpoint_formats.engine_config_json) and `decoder_layer_feature`, the feature capture its target loop uses.
-What does not, yet: the DFlashForCausalLM network itself (target → accept → KV injection into the drafter
-layers of the same paged pool → block pass), so `register` refuses. The two-engine classes that used to be
+The DFlashForCausalLM network itself (target → accept → KV injection into the drafter layers of the same paged
+pool → block pass) is engine_network.py, which `register` puts into MODEL_MAP (never executed here: tensorrt_llm
+does not install on CPU machines). The two-engine classes that used to be
 here (a capturing target and a separate drafter over flat caches) are gone with that design (docs/engine-path.md,
 "Why not two engines").
 
@@ -21,7 +22,7 @@ from ..errors import ConfigError, DFlashError
 
 
 class EngineNetworkUnavailable(DFlashError):
-    """The DFlashForCausalLM tensorrt_llm network is not written yet."""
+    """A checkpoint the DFlashForCausalLM network does not wire (engine_network.py says which)."""
 
 
 def decoder_layer_feature(output: Any, use_cache: bool) -> Any:
@@ -39,7 +40,7 @@ def decoder_layer_feature(output: Any, use_cache: bool) -> Any:
 
 def register(checkpoint_dir: str | Path) -> None:
     """Register DFlashForCausalLM in tensorrt_llm's MODEL_MAP for this process (what `engine_build` runs first).
-    Refuses: the network is not written yet; a checkpoint of another layout is named as such."""
+    Refuses a checkpoint of another layout, naming it; without tensorrt_llm, api.TensorRTUnavailable."""
     from ..checkpoint_formats import ENGINE_ARCHITECTURE
 
     path = Path(checkpoint_dir) / "config.json"
@@ -50,6 +51,7 @@ def register(checkpoint_dir: str | Path) -> None:
     if arch != ENGINE_ARCHITECTURE:
         raise ConfigError(f"expected the one-engine checkpoint ({ENGINE_ARCHITECTURE}, `dflash-trt convert --format engine`), got {arch!r}",
                           file=path, key="architecture")
-    raise EngineNetworkUnavailable(
-        f"{ENGINE_ARCHITECTURE}'s tensorrt_llm network is not written yet (docs/engine-path.md, Status); the checkpoint is ready for it"
-    )
+    from . import api
+    from .engine_network import dflash_for_causal_lm
+
+    api.get("MODEL_MAP")[ENGINE_ARCHITECTURE] = dflash_for_causal_lm()  # imports tensorrt_llm: inside trtllm-build only
