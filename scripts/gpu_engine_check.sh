@@ -13,9 +13,11 @@
 #   3. `dflash-trt build --dry-run` of a shipped build config prints its convert and trtllm-build commands;
 #   4. steps 1 and 2 on a small random gpt-oss pair (scripts/tiny_gpt_oss.py: MoE, sinks, sliding windows, yarn);
 #   5. the gpt-oss-120b NVFP4 TP8 build config checked against the released configs (examples/configs/).
-# Steps that need a GPU: building DFlashForCausalLM on the EAGLE contract and serving it with the executor.
-# That network is not written yet (docs/engine-path.md, "Status"), so without --dry-run this script stops there
-# with exit code 3 instead of pretending.
+# Steps that need a GPU + TensorRT-LLM 1.2.x (docker/Dockerfile):
+#   6. trtllm-build of DFlashForCausalLM (trtllm/engine_network.py, through our registering wrapper) from step 1's
+#      checkpoint, fp32, on the EAGLE contract; it uses TensorRT-LLM's own attention, so no cubins of ours;
+#   7. that engine behind the executor (executor.EngineGenerator) on the same prompts = the reference runtime.
+# They have never run (docs/engine-path.md, "Status": no GPU with TensorRT-LLM has been available to this project).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY_RUN=0
@@ -47,6 +49,10 @@ if [ "$DRY_RUN" = 1 ]; then
     echo "dry run: every CPU step passed"
     exit 0
 fi
-: "${DFLASH_PLUGIN_LIB:?set DFLASH_PLUGIN_LIB to libdflash_plugins.so with cubins for the shipped drafter (-DDFLASH_SHAPES with 2,9,3,64,16: docker/Dockerfile builds it)}"
-echo "the one-engine DFlashForCausalLM (EAGLE contract) is not built yet: see docs/engine-path.md, Status" >&2
-exit 3
+echo "== 6/7 trtllm-build DFlashForCausalLM from the shipped pair's one-engine checkpoint (GPU, TensorRT-LLM 1.2.x)"
+python -m dflash_trt.trtllm.engine_build --checkpoint_dir "$WORK/engine-ckpt" --output_dir "$WORK/engine" \
+    --speculative_decoding_mode eagle --max_draft_len 15 --gpt_attention_plugin auto --gemm_plugin auto \
+    --kv_cache_type paged --remove_input_padding enable --max_batch_size 4 --max_input_len 512 --max_seq_len 1024
+
+echo "== 7/7 the engine behind the executor vs the reference runtime (same prompts, greedy)"
+python -m dflash_trt.trtllm.emulation_check --checkpoint "$WORK/engine-ckpt" --engine "$WORK/engine"

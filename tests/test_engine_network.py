@@ -132,3 +132,14 @@ def test_the_networks_constants_are_the_contracts(k):
     # the chain's causal mask (what the target verify uses) is the lower triangle of the same encoding
     causal = contract.chain_packed_mask(dims, 1)[0].numpy()
     assert np.array_equal(_bits(causal, k + 1), np.tril(np.ones((k + 1, k + 1), dtype=bool)))
+
+
+def test_the_gpu_checks_build_uses_only_trtllm_build_flags_of_the_snapshot():
+    import re
+
+    script = (Path(__file__).parents[1] / "scripts" / "gpu_engine_check.sh").read_text()
+    build = script[script.index("python -m dflash_trt.trtllm.engine_build"):]
+    build = build[: build.index("\n\n")]
+    flags = set(re.findall(r"(--[a-z_]+)", build))
+    assert {"--speculative_decoding_mode", "--max_draft_len", "--checkpoint_dir"} <= flags
+    assert flags <= set(api.snapshot()["trtllm_build_flags"]["flags"]), flags - set(api.snapshot()["trtllm_build_flags"]["flags"])

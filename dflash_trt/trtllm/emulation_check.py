@@ -5,6 +5,8 @@ what trtllm-build reads), and the KV pool has the layer count the C++ runtime gi
 `eagle_net_config.num_hidden_layers` of that config.json (docs/engine-path.md).
 
 Prints whether the emulated executor + engine give the reference loop's tokens and drafts, and τ; exit 1 if not.
+With `--engine DIR` (a GPU machine with TensorRT-LLM 1.2.x: scripts/gpu_engine_check.sh), the built DFlashForCausalLM
+engine behind the real executor (executor.EngineGenerator) runs the same prompts, and its tokens are compared too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", help="instead: the one-engine checkpoint (convert --format engine), holding both and the tokenizer")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engine", help="also run this built engine through TensorRT-LLM's executor and compare its tokens")
     args = ap.parse_args(argv)
     if bool(args.checkpoint) == bool(args.target and args.drafter):
         ap.error("pass --target and --drafter, or --checkpoint")
@@ -86,7 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine contract emulation on {args.checkpoint or args.target + ' + ' + args.drafter} (fp32, {len(prompts)} prompts, {args.max_new_tokens} tokens):")
     print(f"  tokens equal to the reference runtime: {same_tokens}; drafts equal: {same_drafts}")
     print(f"  tau = {sum(steps) / len(steps):.2f} tokens/step over {len(steps)} steps; reference {ref_s:.1f} s, emulation {emu_s:.1f} s (CPU, not a speed figure)")
-    return 0 if same_tokens and same_drafts else 1
+    ok = same_tokens and same_drafts
+    if args.engine:
+        from .executor import EngineGenerator
+
+        engine = EngineGenerator(args.engine, max_batch=len(prompts))
+        try:
+            outs = engine.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens), eos)
+        finally:
+            engine.shutdown()
+        equal = sum(o.output_ids == r.output_ids for o, r in zip(outs, ref))
+        print(f"  engine {args.engine} behind the executor: {equal}/{len(prompts)} outputs equal to the reference runtime's")
+        ok = ok and equal == len(prompts)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
