@@ -134,7 +134,7 @@ LAYERS = [
     ("front ends", ["cli", "bench", "peers", "plan", "convert", "deploy", "serve", "trtllm.build_config", "trtllm.engine_build", "trtllm.emulation_check"]),
     ("loading", ["loading", "quant.calibrate"]),
     ("runtime", ["runtime", "speculative", "torch_backend", "tp", "draft_length", "sampling", "trtllm.emulation", "trtllm.executor"]),
-    ("models and kernels", ["models", "kernels", "kv_cache", "trtllm.model", "trtllm.network", "trtllm.plugin_library"]),
+    ("models and kernels", ["models", "kernels", "kv_cache", "trtllm.model", "trtllm.engine_network", "trtllm.network", "trtllm.plugin_library"]),
     ("formats", ["config", "trtllm_config", "speculators_format", "checkpoint_formats", "checkpoint", "safetensors_io", "quant", "prompts", "fetch", "cost_model", "presets"]),
     ("base", ["errors", "flags", "shard_rules", "tree", "progress", "trtllm.api", "trtllm.contract", "trtllm", "dflash_trt"]),
 ]

@@ -36,7 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     ours, rest = parser.parse_known_args(argv)
     from . import api, model, plugin_library
 
-    model.register(ours.checkpoint_dir)
+    model.register(ours.checkpoint_dir)  # the checkpoint first, then tensorrt_llm (engine_network imports it)
+    from .engine_network import dflash_for_causal_lm
+
+    from ..trtllm_config import ENGINE_ARCHITECTURE
+
+    api.get("MODEL_MAP")[ENGINE_ARCHITECTURE] = dflash_for_causal_lm()
     plugin_library.register(ours.dflash_plugin_lib)  # through TensorRT's registry, before any network uses the plugins
     enable_aliased_plugin_io()
     sys.argv = ["trtllm-build", "--checkpoint_dir", ours.checkpoint_dir, *rest]

@@ -4,7 +4,7 @@ What exists: the checkpoint it reads (`dflash-trt convert --format engine`: DFla
 tensors plus the drafter's under `drafter.`, the drafter's config as `eagle_net_config`,
 checkpoint_formats.engine_config_json) and `decoder_layer_feature`, the feature capture its target loop uses.
 The DFlashForCausalLM network itself (target → accept → KV injection into the drafter layers of the same paged
-pool → block pass) is engine_network.py, which `register` puts into MODEL_MAP (never executed here: tensorrt_llm
+pool → block pass) is engine_network.py, which engine_build puts into MODEL_MAP after `register` checked the checkpoint (never executed here: tensorrt_llm
 does not install on CPU machines). The two-engine classes that used to be
 here (a capturing target and a separate drafter over flat caches) are gone with that design (docs/engine-path.md,
 "Why not two engines").
@@ -39,8 +39,8 @@ def decoder_layer_feature(output: Any, use_cache: bool) -> Any:
 
 
 def register(checkpoint_dir: str | Path) -> None:
-    """Register DFlashForCausalLM in tensorrt_llm's MODEL_MAP for this process (what `engine_build` runs first).
-    Refuses a checkpoint of another layout, naming it; without tensorrt_llm, api.TensorRTUnavailable."""
+    """What `engine_build` runs first: refuses a checkpoint of another layout, naming it (before anything of
+    tensorrt_llm); engine_build then puts engine_network's DFlashForCausalLM into MODEL_MAP."""
     from ..checkpoint_formats import ENGINE_ARCHITECTURE
 
     path = Path(checkpoint_dir) / "config.json"
@@ -51,7 +51,3 @@ def register(checkpoint_dir: str | Path) -> None:
     if arch != ENGINE_ARCHITECTURE:
         raise ConfigError(f"expected the one-engine checkpoint ({ENGINE_ARCHITECTURE}, `dflash-trt convert --format engine`), got {arch!r}",
                           file=path, key="architecture")
-    from . import api
-    from .engine_network import dflash_for_causal_lm
-
-    api.get("MODEL_MAP")[ENGINE_ARCHITECTURE] = dflash_for_causal_lm()  # imports tensorrt_llm: inside trtllm-build only
