@@ -124,7 +124,9 @@ def _bits(words: np.ndarray, n: int) -> np.ndarray:
 @pytest.mark.parametrize("k", [1, 3, 15, 31, 40])
 def test_the_networks_constants_are_the_contracts(k):
     dims = contract.Dims(k + 1)
-    assert np.array_equal(engine_network.chain_paths_array(k), contract.chain_paths(dims, 1)[0].numpy())
+    paths = engine_network.chain_paths_array(k)  # closed form: path 0 = 0..K, every other entry -1
+    assert paths.shape == (k + 1, k + 1) and paths.dtype == np.int32
+    assert paths[0].tolist() == list(range(k + 1)) and (paths[1:] == -1).all()
     mask = engine_network.block_packed_mask_array(k)
     assert mask.shape == (k + 1, dims.packed_mask_words) and mask.dtype == np.int32
     assert _bits(mask, 32 * mask.shape[1]).sum(1).tolist() == [k + 1] * (k + 1)  # every row: exactly the block's K+1 bits

@@ -206,8 +206,13 @@ def tree_position_offsets(dims: Dims, parents: list[int]) -> torch.Tensor:
 
 def tree_packed_mask(dims: Dims, parents: list[int]) -> torch.Tensor:
     """[D, W] int32: bit j of row i set when token j is token i or one of its ancestors (rows past the block 0)."""
+    return pack_mask(dims, ancestors(parents).tolist())
+
+
+def pack_mask(dims: Dims, rows: list[list[bool]]) -> torch.Tensor:
+    """[D, W] int32: bit j of row i set when rows[i][j] (token i may attend token j); rows past `rows` 0."""
     mask = torch.zeros(dims.max_decoding_tokens, dims.packed_mask_words, dtype=torch.int64)
-    for i, row in enumerate(ancestors(parents).tolist()):
+    for i, row in enumerate(rows):
         for j, seen in enumerate(row):
             if seen:
                 mask[i, j // 32] |= 1 << (j % 32)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from . import api
+from . import api, contract
 from .model import EngineNetworkUnavailable, decoder_layer_feature
 
 # Inputs the network declares only to hand them to the stock EAGLE plugins (prepare-inputs, accept): the runtime
@@ -56,18 +56,12 @@ UNREAD_CONTRACT_INPUTS = ("rand_data_sample",)
 
 def chain_paths_array(k: int) -> np.ndarray:
     """contract.chain_paths' row as numpy, [K+1, K+1] int32: path 0 = 0..K, the rest -1."""
-    paths = np.full((k + 1, k + 1), -1, dtype=np.int32)
-    paths[0] = np.arange(k + 1, dtype=np.int32)
-    return paths
+    return contract.chain_paths(contract.Dims(k + 1), 1)[0].numpy()
 
 
 def block_packed_mask_array(k: int) -> np.ndarray:
     """[K+1, W] int32: every token of the block sees every other (DFlash's block is bidirectional)."""
-    words = -(-(k + 1) // 32)
-    mask = np.zeros((k + 1, words), dtype=np.int64)
-    for j in range(k + 1):
-        mask[:, j // 32] |= 1 << (j % 32)
-    return np.where(mask >= 2**31, mask - 2**32, mask).astype(np.int32)
+    return contract.pack_mask(contract.Dims(k + 1), [[True] * (k + 1)] * (k + 1)).numpy()
 
 
 def _capturing_layer_class(sink: dict):
