@@ -6,6 +6,10 @@ supervised positions) and the target features at `--layer-ids` for every token, 
 context a drafter sees at run time. Output: shards of safetensors under --out.
 
     python examples/make_training_data.py --target $(dflash-trt fetch-models --quiet) --out data/train
+
+`--split eval` generates the same records for the bench's evaluation prompts instead (`--mix code=40,math=40,chat=40`):
+never trained on, they are what the trainers' `--curve-data` measures the learning curve on (teacher-forced τ on the
+target's own answers to the bench's prompts, which is what decoding those prompts accepts).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dflash_trt.loading import DTYPES, encode_prompt, generation_eos_ids, load_t
 from dflash_trt.config import build_target_layer_ids, load_target_config
 from dflash_trt.kv_cache import pool_pages
 from dflash_trt.progress import progress_bar
-from dflash_trt.prompts import load_train_mix
+from dflash_trt.prompts import load_eval_prompts, load_train_mix
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.torch_backend import TorchBackend
@@ -55,13 +59,15 @@ def main() -> None:
                     help="shuffled: the mix's prompts in one seeded random order, so a run stopped after a few shards "
                          "still holds every domain in proportion; domain: each domain's prompts in turn")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="bf16 doubles batched throughput on AMX CPUs")
+    ap.add_argument("--split", choices=["train", "eval"], default="train",
+                    help="eval: the mix names evaluation domains (prompts.load_eval_prompts), for a learning curve's --curve-data")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     cfg = load_target_config(args.target)
     layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else build_target_layer_ids(cfg.num_layers, 3)
     tok = load_tokenizer(args.target)
-    prompts = load_train_mix(args.mix)
+    prompts = load_train_mix(args.mix) if args.split == "train" else eval_mix(args.mix)
     if args.order == "shuffled":
         random.Random(0).shuffle(prompts)
     out = Path(args.out)
@@ -69,7 +75,8 @@ def main() -> None:
     if (out / "info.json").exists():  # a rerun resumes by shard index: the shards must hold the same prompts
         old = json.loads((out / "info.json").read_text())
         old.setdefault("order", "domain")  # written before --order existed
-        for key, now in (("mix", args.mix), ("order", args.order), ("layer_ids", layer_ids), ("max_new_tokens", args.max_new_tokens)):
+        old.setdefault("split", "train")
+        for key, now in (("mix", args.mix), ("split", args.split), ("order", args.order), ("layer_ids", layer_ids), ("max_new_tokens", args.max_new_tokens)):
             if old.get(key, now) != now:
                 raise SystemExit(f"{out / 'info.json'}: {key} = {old.get(key)!r}, this run {now!r}; a resumed run must "
                                  f"generate the same prompts (another --out, or the same options)")
@@ -114,10 +121,24 @@ def main() -> None:
     write_info(out, args, layer_ids, len(prompts), total_tokens, start)
 
 
+def eval_mix(mix: str) -> list:
+    """The evaluation prompts of a mix "domain=count,..." (each domain's first `count` of its evaluation split)."""
+    prompts = []
+    for item in filter(str.strip, mix.split(",")):
+        domain, _, count = item.partition("=")
+        if not count.strip().isdigit():
+            raise SystemExit(f"--mix: {item!r} is not domain=count")
+        try:
+            prompts += load_eval_prompts(domain.strip(), int(count))
+        except ValueError as e:
+            raise SystemExit(f"--mix: {e}") from None
+    return prompts
+
+
 def write_info(out: Path, args, layer_ids: list[int], sequences: int, total_tokens: int, start: float) -> None:
     """info.json after every shard: a stopped run leaves data the trainers read (the shards written so far)."""
     (out / "info.json.tmp").write_text(json.dumps({
-        "target": str(args.target), "layer_ids": layer_ids, "mix": args.mix, "order": args.order, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+        "target": str(args.target), "layer_ids": layer_ids, "mix": args.mix, "split": args.split, "order": args.order, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
         "sequences": sequences, "generated_tokens": total_tokens, "wall_s": round(time.time() - start, 1),
     }, indent=2))
     (out / "info.json.tmp").replace(out / "info.json")

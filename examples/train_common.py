@@ -57,6 +57,9 @@ def common_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--lineage-mix", default=None,
                     help="domain=count,... the prompt mix the --init-from drafter (and its ancestors) trained on, as its card "
                          "states: those prompts are never held out, so a resumed run's curve is measured on prompts its lineage never saw")
+    ap.add_argument("--curve-data", default=None,
+                    help="make_training_data --split eval output(s), comma-separated: the learning curve is measured on all their "
+                         "sequences, per domain (the target's answers to the bench's own prompts, never trained on), beside --heldout's")
     ap.add_argument("--eval-every", type=float, default=5.0, help="minutes between held-out evaluations (each also writes a checkpoint)")
     ap.add_argument("--force", action="store_true")
     return ap
@@ -86,6 +89,51 @@ def split_heldout(seqs: list[dict], fraction: float, seen: set[tuple[str, str]] 
     return [s for s in seqs if not held(s)], [s for s in seqs if held(s)]
 
 
+def load_curve_data(dirs: str | None) -> list[dict]:
+    """The sequences of --curve-data (make_training_data --split eval outputs; a training split is refused)."""
+    seqs = []
+    for d in [Path(x) for x in (dirs or "").split(",") if x.strip()]:
+        path = d / "info.json"
+        if not path.is_file():
+            raise SystemExit(f"{path}: missing (is {d} a make_training_data --out directory?)")
+        if json.loads(path.read_text()).get("split", "train") != "eval":
+            raise SystemExit(f"{path}: split is not 'eval': --curve-data takes make_training_data --split eval outputs")
+        seqs += load_shards(d)
+    return seqs
+
+
+def curve_evaluator(measure: Callable, heldout: list[dict], curve_seqs: list[dict]) -> Callable | None:
+    """model → the learning curve's metrics. measure(model, seqs) → {"tau", "accept_rate", ...}. With --curve-data the
+    headline `tau` / `accept_rate` are on those sequences (set "eval"), with `by_domain` τ and the hash held-out τ
+    beside them (`heldout_tau`); without, on the held-out sequences (set "heldout"). None when there is neither."""
+    if not heldout and not curve_seqs:
+        return None
+
+    def evaluate(model) -> dict:
+        if not curve_seqs:
+            return {"set": "heldout", **measure(model, heldout)}
+        by_domain: dict[str, list[dict]] = {}
+        for s in curve_seqs:
+            by_domain.setdefault(s.get("domain", "?"), []).append(s)
+        metrics = {"set": "eval", **measure(model, curve_seqs),
+                   "by_domain": {d: measure(model, seqs)["tau"] for d, seqs in sorted(by_domain.items())}}
+        if heldout:
+            metrics["heldout_tau"] = measure(model, heldout)["tau"]
+        return metrics
+
+    return evaluate
+
+
+def draft_coverage(seqs: list[dict], d2t: torch.Tensor | None, vocab_size: int) -> float:
+    """The fraction of answer tokens a draft vocabulary (d2t) holds."""
+    if d2t is None:
+        return 1.0
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s["tokens"][s["prompt_len"]:], minlength=vocab_size)
+    return float(counts[torch.arange(len(d2t)) + d2t].sum() / counts.sum().clamp(min=1))
+
+
 def previous_curve(init_from: str | None) -> list[dict]:
     """The learning curve of the drafter a run resumes from (empty for a fresh start)."""
     path = Path(init_from) / "learning_curve.json" if init_from else None
@@ -108,6 +156,8 @@ def merge_data(dirs: list[Path]) -> tuple[dict, list[dict]]:
         if not path.is_file():
             raise SystemExit(f"{path}: missing (is {d} a make_training_data --out directory?)")
         infos.append(json.loads(path.read_text()))
+        if infos[-1].get("split", "train") != "train":
+            raise SystemExit(f"{path}: split = {infos[-1]['split']!r}: evaluation prompts are never trained on (pass it as --curve-data)")
     first = infos[0]
     for d, info in zip(dirs[1:], infos[1:]):
         for key in ("layer_ids", "max_new_tokens"):
@@ -262,13 +312,16 @@ def plot_curve(curve: list[dict], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    x = [p["train_tokens"] / 1e6 for p in curve]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(x, [p["tau"] for p in curve], "o-", label="held-out τ (teacher-forced, greedy)")
-    ax.set_xlabel("training tokens (M, answer tokens seen)")
-    ax.set_ylabel("τ (tokens per target step)")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
     ax2 = ax.twinx()
-    ax2.plot(x, [p["accept_rate"][0] for p in curve], "s--", color="gray", label="slot-1 acceptance")
+    for i, (label, points) in enumerate(curve_segments(curve)):
+        x = [p["train_tokens"] / 1e6 for p in points]
+        ax.plot(x, [p["tau"] for p in points], "o-", color=f"C{i}", label=f"τ, {label}")
+        for j, d in enumerate(sorted(points[-1].get("by_domain", {}))):
+            ax.plot(x, [p.get("by_domain", {}).get(d, float("nan")) for p in points], ":", marker=".", color=f"C{i + j + 1}", label=f"τ, {label}: {d}")
+        ax2.plot(x, [p["accept_rate"][0] for p in points], "s--", color="gray", alpha=0.6, label=f"slot-1 acceptance, {label}" if i == 0 else None)
+    ax.set_xlabel("training tokens (M, answer tokens seen)")
+    ax.set_ylabel("τ (tokens per target step, teacher-forced)")
     ax2.set_ylabel("slot-1 acceptance")
     ax.set_title(title, fontsize=9)
     fig.legend(loc="lower right", fontsize=7)
@@ -276,6 +329,26 @@ def plot_curve(curve: list[dict], path: Path, title: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def curve_segments(curve: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The curve cut where its measurement set changed (a resumed run measured on another held-out or eval set)."""
+    segments: list[tuple[str, list[dict]]] = []
+    for p in curve:
+        label = "bench prompts (--curve-data)" if p.get("set") == "eval" else "held-out training prompts"
+        if not segments or segments[-1][0] != label or (p["step"] == 0 and segments[-1][1]):
+            segments.append((label, []))
+        segments[-1][1].append(p)
+    return segments
+
+
+def curve_row(p: dict) -> str:
+    """One learning-curve point as a row of the model card's table."""
+    where = "bench prompts" if p.get("set") == "eval" else "held-out"
+    domains = ", ".join(f"{d} {t:.2f}" for d, t in p.get("by_domain", {}).items())
+    if "heldout_tau" in p:
+        domains += f" (held-out {p['heldout_tau']:.2f})"
+    return f"| {p['train_tokens']:,} | {p['step']} | {where} | {p['tau']:.3f} | {p['accept_rate'][0]:.3f} | {domains} |"
 
 
 def model_card(title: str, script: str, info: dict, run: dict, args, details: list[str]) -> str:
@@ -293,10 +366,12 @@ def model_card(title: str, script: str, info: dict, run: dict, args, details: li
         + (f"{run['loss_ema']:.3f}" if run["loss_ema"] is not None else "– (no step yet)"),
     ]
     if run.get("curve"):
-        lines += ["", "Learning curve (`learning_curve.json`, `learning_curve.png`): held-out τ, teacher-forced at random anchors of "
-                  "held-out target answers (what greedy decoding accepts from the same context), against answer tokens trained on "
-                  "in this drafter's lineage:", "", "| training tokens | step | held-out τ | slot-1 acceptance |", "|---|---|---|---|"]
-        lines += [f"| {p['train_tokens']:,} | {p['step']} | {p['tau']:.3f} | {p['accept_rate'][0]:.3f} |" for p in run["curve"]]
+        lines += ["", "Learning curve (`learning_curve.json`, `learning_curve.png`): τ teacher-forced at random anchors of the "
+                  "target's own answers (what greedy decoding accepts from the same context), on held-out training prompts or, "
+                  "with `--curve-data`, on the bench's evaluation prompts (never trained on; per domain), against answer tokens "
+                  "trained on in this drafter's lineage:", "",
+                  "| training tokens | step | measured on | τ | slot-1 acceptance | per domain |", "|---|---|---|---|---|---|"]
+        lines += [curve_row(p) for p in run["curve"]]
     lines += ["", "Training log:", "", "```", *[json.dumps(r) for r in run["log"]], "```", ""]
     return "\n".join(lines)
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_common import build_drafter, common_args, export, finish, fit, load_inputs, model_card, lineage_prompts, previous_curve, split_heldout, training_head
+from train_common import (build_drafter, common_args, curve_evaluator, draft_coverage, export, finish, fit, lineage_prompts, load_curve_data,
+                          load_inputs, model_card, previous_curve, split_heldout, training_head)
 
 from dflash_trt.config import DRAFTER_ARCHITECTURE, load_target_config
 from dflash_trt.models.drafter import DFlashDrafter
@@ -224,27 +225,20 @@ def main(argv=None) -> None:
     weighting = f"loss weight exp(-(k-1)/{args.gamma})" if args.weighting == "exp" else f"D-PACE loss weights (α {args.alpha})"
     details = [f"{cfg.num_layers} layers, block size {cfg.block_size}, mask token id {cfg.mask_token_id}, target_layer_ids {info['layer_ids']}",
                f"{args.anchors} random anchors per sequence, {weighting}, {init}"]
-    evaluate = (lambda model: heldout_tau(model, embed, head, heldout, args.eval_anchors)) if heldout else None
+    curve_seqs = load_curve_data(args.curve_data)
+    evaluate = curve_evaluator(lambda model, s: heldout_tau(model, embed, head, s, args.eval_anchors), heldout, curve_seqs)
     if heldout:
         details.append(f"{len(heldout)} sequences held out for the learning curve ({args.heldout:.0%} by prompt-id hash)")
+    if curve_seqs:
+        details.append(f"learning curve measured on {len(curve_seqs)} target answers to the bench's evaluation prompts ({args.curve_data})")
 
     def checkpoint(run):  # the drafter as it is now, with its curve so far: a killed run leaves its last checkpoint
         export(drafter, raw_cfg, Path(args.out), model_card(title, "train_dflash.py", info, run, args, details), True, run["curve"], title)
         args.force = True  # the final export replaces this run's own checkpoint
 
     loss = lambda seq, rng: dflash_loss(drafter, embed, head, seq, args.anchors, args.gamma, rng, args.weighting, args.alpha)  # noqa: E731
-    run = fit(drafter, loss, seqs, args, "DFlash drafter", evaluate, checkpoint if heldout else None, previous_curve(args.init_from))
+    run = fit(drafter, loss, seqs, args, "DFlash drafter", evaluate, checkpoint if evaluate else None, previous_curve(args.init_from))
     return finish(drafter, raw_cfg, args, info, run, title, "train_dflash.py", details, coverage)
-
-
-def draft_coverage(seqs: list[dict], d2t: torch.Tensor | None, vocab_size: int) -> float:
-    """The fraction of answer tokens a draft vocabulary (d2t) holds."""
-    if d2t is None:
-        return 1.0
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for s in seqs:
-        counts += torch.bincount(s["tokens"][s["prompt_len"]:], minlength=vocab_size)
-    return float(counts[torch.arange(len(d2t)) + d2t].sum() / counts.sum().clamp(min=1))
 
 
 if __name__ == "__main__":

@@ -11,14 +11,16 @@ chain of earlier steps. Tokens are the ground truth (the target's own greedy ans
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from train_common import build_drafter, common_args, finish, fit, load_inputs, training_head
+from train_common import build_drafter, common_args, draft_coverage, finish, fit, load_inputs, training_head
 
 from dflash_trt.config import load_target_config
 from dflash_trt.config import EAGLE_ARCHITECTURE
+from dflash_trt.loading import load_eagle_drafter
 from dflash_trt.models.eagle import Eagle3Drafter
 
 
@@ -95,20 +97,29 @@ def main(argv=None) -> None:
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--max-chain", type=int, default=7, help="drafts per step at run time (block_size - 1)")
     args = ap.parse_args(argv)
-    if args.init_from or args.heldout:
-        ap.error("--init-from and --heldout are implemented for train_dflash.py only so far")
+    if args.heldout or args.curve_data:
+        ap.error("--heldout and --curve-data (the learning curve) are implemented for train_dflash.py only so far")
     info, seqs, target = load_inputs(args)
     embed = target.model.embed_tokens.weight.detach()
-    raw = eagle_config(Path(args.target), info["layer_ids"], args.intermediate_size, args.max_chain)
-    model, d2t, coverage = build_drafter(Eagle3Drafter, raw, args, seqs, EAGLE_ARCHITECTURE)
-    with torch.no_grad():
-        model.norm.weight.copy_(target.model.norm.weight)
+    if args.init_from:  # training goes on from a shipped drafter: its config, d2t and weights
+        raw = json.loads((Path(args.init_from) / "config.json").read_text())
+        model = load_eagle_drafter(args.init_from, target.cfg).requires_grad_(True)
+        d2t = model.d2t if model.cfg.draft_vocab_size else None
+        coverage = draft_coverage(seqs, d2t, target.cfg.vocab_size)
+        if list(model.cfg.target_layer_ids) != list(info["layer_ids"]):
+            raise SystemExit(f"{args.init_from} reads target layers {list(model.cfg.target_layer_ids)}, the data has {info['layer_ids']}")
+    else:
+        raw = eagle_config(Path(args.target), info["layer_ids"], args.intermediate_size, args.max_chain)
+        model, d2t, coverage = build_drafter(Eagle3Drafter, raw, args, seqs, EAGLE_ARCHITECTURE)
+        with torch.no_grad():
+            model.norm.weight.copy_(target.model.norm.weight)
     head = training_head(target.lm_head_weight.detach(), d2t)
     run = fit(model, lambda seq, rng: eagle_loss(model, embed, head, seq, args.ttt_steps), seqs, args, "EAGLE-3-style drafter")
     return finish(
         model, raw, args, info, run, f"EAGLE-3-style baseline drafter for {Path(args.target).name}", "train_eagle3.py",
         [f"1 decoder layer over [embedding ; fused features of layers {info['layer_ids']}], MLP width {args.intermediate_size}",
-         f"training-time test with {args.ttt_steps} steps; chain of up to {args.max_chain} drafts at run time"],
+         f"training-time test with {args.ttt_steps} steps; chain of up to {raw['block_size'] - 1} drafts at run time"]
+        + ([f"resumed from {args.init_from}"] if args.init_from else []),
         coverage,
     )
 

@@ -206,3 +206,61 @@ def test_several_data_directories_train_as_one_and_must_agree(tiny_data, tmp_pat
     (other / "info.json").write_text(json.dumps(dict(raw, layer_ids=[0, 1])))
     with pytest.raises(SystemExit, match=r"other/info.json: layer_ids"):
         train_common.merge_data([data, other])
+
+
+def _as_eval_split(data: Path, out: Path, domains: list[str]) -> Path:
+    """A copy of the tiny data marked as make_training_data --split eval, its sequences under `domains` in turn."""
+    out.mkdir()
+    meta = json.loads((data / "shard-0000.json").read_text())
+    for k, m in enumerate(meta):
+        m["domain"] = domains[k % len(domains)]
+    (out / "shard-0000.json").write_text(json.dumps(meta))
+    (out / "shard-0000.safetensors").write_bytes((data / "shard-0000.safetensors").read_bytes())
+    info = json.loads((data / "info.json").read_text())
+    (out / "info.json").write_text(json.dumps(dict(info, split="eval")))
+    return out
+
+
+def test_curve_data_measures_the_curve_per_domain_and_is_never_trained_on(tiny_data, tmp_path):
+    """--curve-data: the curve's τ is heldout_tau on those sequences, pooled and per domain (recomputed here on the
+    exported drafter); an eval-split directory passed as --data is refused (never trained on)."""
+    target_dir, data, _, _ = tiny_data
+    curve_dir = _as_eval_split(data, tmp_path / "evalset", ["code", "math"])
+    args = _common(target_dir, data, tmp_path / "d") + ["--mask-token-id", "3", "--block-size", "8", "--anchors", "8", "--epochs", "4",
+                                                        "--curve-data", str(curve_dir), "--eval-every", "0", "--eval-anchors", "5"]
+    run = train_dflash.main(args)
+    last = run["curve"][-1]
+    assert last["set"] == "eval" and set(last["by_domain"]) == {"code", "math"} and "heldout_tau" not in last
+    target = load_target(target_dir)
+    drafter = load_drafter(tmp_path / "d", target.cfg)
+    embed = target.model.embed_tokens.weight.detach()
+    head = train_common.training_head(target.lm_head_weight.detach(), drafter.d2t)
+    seqs = train_common.load_curve_data(str(curve_dir))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as fit measures it (the export is bf16: near, not equal)
+        pooled = train_dflash.heldout_tau(drafter, embed, head, seqs, 5)
+        code = train_dflash.heldout_tau(drafter, embed, head, [s for s in seqs if s["domain"] == "code"], 5)
+    assert last["tau"] == pytest.approx(pooled["tau"], abs=0.15) and last["by_domain"]["code"] == pytest.approx(code["tau"], abs=0.2)
+    assert "bench prompts" in (tmp_path / "d" / "README.md").read_text()
+    with pytest.raises(SystemExit, match="never trained on"):
+        train_dflash.main(_common(target_dir, curve_dir, tmp_path / "e") + ["--mask-token-id", "3"])
+    with pytest.raises(SystemExit, match="--split eval"):
+        train_common.load_curve_data(str(data))
+
+
+def test_eagle_training_resumes_from_a_drafter(tiny_data, tmp_path):
+    """--init-from: the resumed run starts from the drafter's weights (at lr 0 it exports them unchanged) and its
+    config (max chain, d2t); with a learning rate it goes on lowering the loss from where the first run ended."""
+    target_dir, data, prompts, refs = tiny_data
+    first = train_eagle3.main(_common(target_dir, data, tmp_path / "a") + ["--intermediate-size", "64", "--max-chain", "5", "--epochs", "20"])
+    still = train_eagle3.main(_common(target_dir, data, tmp_path / "b") + ["--init-from", str(tmp_path / "a"), "--epochs", "2", "--lr", "0"])
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "b" / "config.json").read_text()) == json.loads((tmp_path / "a" / "config.json").read_text())
+    assert still["log"][0]["loss"] < 0.5 * first["log"][0]["loss"]  # not an untrained start
+    more = train_eagle3.main(_common(target_dir, data, tmp_path / "c") + ["--init-from", str(tmp_path / "a"), "--epochs", "20"])
+    assert more["log"][-1]["loss_ema"] < still["log"][-1]["loss_ema"]  # training goes on from there
+    eagle = load_eagle_drafter(tmp_path / "c", load_target(target_dir).cfg)
+    assert _lossless(target_dir, eagle, prompts, refs, block=6) > 1.0
+    assert "resumed from" in (tmp_path / "c" / "README.md").read_text()
