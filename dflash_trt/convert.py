@@ -491,6 +491,10 @@ def check_conversion(target_dir: str | Path, drafter_dir: str | Path | None, *, 
             if have != want:
                 raise ConfigError(f"{have} != the target's {want} ({t_cfg.path}): the one engine's KV pool holds both models' layers",
                                   file=d_cfg.path, key=key)
+        # the drafter layers read the model's RoPE tables, sized from the target's config (eagle/model.py:585 @ f0c873f5)
+        if d_cfg.max_position_embeddings > t_cfg.max_position_embeddings:
+            raise ConfigError(f"{d_cfg.max_position_embeddings} > the target's {t_cfg.max_position_embeddings} ({t_cfg.path}): the "
+                              "one engine's drafter layers read the target's RoPE tables", file=d_cfg.path, key="max_position_embeddings")
     for cfg in (t_cfg, d_cfg):
         if cfg is not None:
             _check_tp(cfg, tp, quant)

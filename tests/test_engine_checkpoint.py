@@ -124,6 +124,12 @@ def test_what_one_engine_cannot_hold_is_refused_naming_the_drafters_file_and_key
     with pytest.raises(ConfigError, match=r"gqa1/config\.json: num_key_value_heads: 1 != the target's 2"):
         convert(target, other, tmp_path / "out", fmt="engine", dtype="fp32", **QUIET)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+    # one RoPE table, sized from the target's config: the drafter's positions must fit in it
+    target_max = json.loads((target / "config.json").read_text())["max_position_embeddings"]
+    longer = write_drafter(tmp_path / "long", target, max_position_embeddings=2 * target_max)
+    with pytest.raises(ConfigError, match=rf"long/config\.json: max_position_embeddings: {2 * target_max} > the target's {target_max}"):
+        convert(target, longer, tmp_path / "out", fmt="engine", dtype="fp32", **QUIET)
+    assert not (tmp_path / "out").exists()
     # the engine holds both models
     assert main(["convert", "--target", str(target), "--out", str(tmp_path / "out"), "--format", "engine", "--quiet"]) == 2
     assert "--drafter" in capsys.readouterr().err

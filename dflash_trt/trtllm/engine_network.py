@@ -100,7 +100,8 @@ def _drafter_modules(cfg: Any, num_target_layers: int, dtype: str, mapping: Any)
                 max_position_embeddings=cfg["max_position_embeddings"], qk_layernorm=True, layernorm_type=LayerNormType.RmsNorm,
                 eps=eps, attention_mask_type=AttentionMaskType.causal, bias=cfg.get("attn_bias", False), dtype=dtype,
                 position_embedding_type=PositionEmbeddingType.rope_gpt_neox, rotary_embedding_base=cfg["rotary_base"],
-                tp_rank=mapping.tp_rank, **tp)
+                # as LLaMADecoderLayer passes it: the plugin's scale type must match the target's (scaled) RoPE tables
+                rotary_embedding_scaling=cfg.get("rotary_scaling"), tp_rank=mapping.tp_rank, **tp)
             self.post_layernorm = RmsNorm(normalized_shape=hidden, eps=eps, dtype=dtype)
             self.mlp = GatedMLP(hidden_size=hidden, ffn_hidden_size=cfg["intermediate_size"], hidden_act="silu",
                                 bias=cfg.get("mlp_bias", False), dtype=dtype, **tp)
@@ -157,6 +158,11 @@ def dflash_for_causal_lm():
             self.transformer.layers = DecoderLayerList(_capturing_layer_class(self.sink), config)
             self.max_draft_len = int(config.max_draft_len)
             self.num_eagle_layers = int(config.num_eagle_layers)
+            # The layer-0 prepare plugin's row budget, the path length and the runtime's depth check all assume a
+            # K-draft chain has K + 1 = num_eagle_layers + 1 path entries (eagleDecodingKernels.cu @ b35ac1b6).
+            if self.num_eagle_layers != self.max_draft_len:
+                raise EngineNetworkUnavailable(f"DFlashForCausalLM: num_eagle_layers {self.num_eagle_layers} != max_draft_len "
+                                               f"{self.max_draft_len} (a one-path chain of K drafts needs num_eagle_layers = K)")
             self.mask_token_id = int(drafter["mask_token_id"])
             self.num_drafter_layers = int(drafter["num_hidden_layers"])
             if drafter.get("causal") or any(t != "full_attention" for t in drafter.get("layer_types") or []):
@@ -165,6 +171,13 @@ def dflash_for_causal_lm():
             if drafter.get("rotary_base") != config.rotary_base or drafter.get("rotary_scaling") != config.rotary_scaling:
                 raise EngineNetworkUnavailable("DFlashForCausalLM: the drafter's RoPE differs from the target's; the drafter layers "
                                                "use the target's RoPE constants (AttentionParams)")
+            # The RoPE tables are the model's, sized from the target's config (Attention.create_attention_const_params,
+            # eagle/model.py:585 @ f0c873f5): the drafter's head size must be the target's, its positions within them.
+            if drafter.get("head_size") != config.head_size or drafter.get("max_position_embeddings", 0) > config.max_position_embeddings:
+                raise EngineNetworkUnavailable(
+                    f"DFlashForCausalLM: the drafter's head_size {drafter.get('head_size')} / max_position_embeddings "
+                    f"{drafter.get('max_position_embeddings')} do not fit the target's RoPE tables ({config.head_size} / "
+                    f"{config.max_position_embeddings})")
             self.drafter = _drafter_modules(drafter, config.num_hidden_layers, config.dtype, config.mapping)
             draft_vocab = drafter.get("draft_vocab_size")
             # draft id i is target id i + d2t[i]: the checkpoint's `drafter.d2t`, loaded as a weight
@@ -172,6 +185,10 @@ def dflash_for_causal_lm():
 
         # ---- 1. the target, with its features ----------------------------------------------------------------
         def forward(self, *args, **kwargs):
+            # as EagleForCausalLM (eagle/model.py:924-925 @ f0c873f5): the injection writes the paged pool, and only with
+            # paged KV does DecoderModelForCausalLM.forward return (logits, hidden, all_hidden) (modeling_utils.py:1148 @ b35ac1b6)
+            if not (kwargs.get("use_cache") and default_net().plugin_config.paged_kv_cache):
+                raise EngineNetworkUnavailable("DFlashForCausalLM needs use_cache and the paged KV cache (--kv_cache_type paged)")
             eagle = {n: kwargs.pop(n, None) for n in (
                 "draft_tokens", "draft_lens", "eagle_temperature", "rand_data_validation", "tree_params",
                 "host_ctx_eagle_net_request_types", "host_ctx_eagle_net_context_lengths", "host_ctx_eagle_net_past_key_value_lengths",
