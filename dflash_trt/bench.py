@@ -126,17 +126,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
             continue
         seen.add(key)
         total += p.nbytes
-    for packed in int8_weights(model):  # a 1-token step reads the packed copy instead of the dense weight
+    for packed in packed_weights(model):  # a 1-token step reads the packed copy instead of the dense weight
         if packed.crossover >= 1:
             total += packed.nbytes - packed.dense.nbytes
     return total
 
 
-def int8_weights(model: torch.nn.Module) -> list:
-    """The models.packed.Int8Weight of every packed matmul of `model` (none unless --cpu-weights int8)."""
-    found = [model.lm_head_int8] if getattr(model, "lm_head_int8", None) is not None else []
+def packed_weights(model: torch.nn.Module) -> list:
+    """The models.packed weight (Int8Weight, OnednnWeight) of every packed matmul of `model` (none with dense weights)."""
+    found = [model.lm_head_packed] if getattr(model, "lm_head_packed", None) is not None else []
     for m in model.modules():
-        for packed in (getattr(getattr(m, "_fused", None), "int8", None), getattr(m, "int8", None)):
+        for packed in (getattr(getattr(m, "_fused", None), "packed", None), getattr(m, "packed", None)):
             if packed is not None:
                 found.append(packed)
     return found
@@ -426,7 +426,7 @@ def cmd_bench(args) -> int:
     results = run_bench(methods, prompt_sets, eos, args.max_new_tokens, concurrency, progress=not args.quiet)
     floor = floor_probe(methods[0].backend)
     results["setup"] = {"target": str(args.target), "tokenizer": args.tokenizer, "drafter": args.drafter, "eagle": args.eagle, "dtype": args.dtype, "cpu_weights": weights,
-                        "int8_extra_mb": round(methods[0].backend.int8_bytes / 1e6, 1), "block_size": args.block_size,
+                        "packed_extra_mb": round(methods[0].backend.packed_bytes / 1e6, 1), "block_size": args.block_size,
                         "step_cost": next((m.step_cost.to_json() for m in methods if m.step_cost is not None), None),
                         "peers": [m.name for m in methods if m.peer is not None],
                         "floor": floor,

@@ -88,7 +88,7 @@ def generate_checkpoint(args) -> int:
         policy = draft_policy(args, backend, str(ckpt), drafter, len(prompts))
         return run_generation(args, backend, tokenizers[0], prompts, eos, target_cfg.max_position_embeddings, mode, policy=policy)
     if args.cpu_weights != "dense":
-        raise ConfigError("--cpu-weights int8 runs in one process only (not under tensor parallelism)", key="--cpu-weights")
+        raise ConfigError(f"--cpu-weights {args.cpu_weights} runs in one process only (not under tensor parallelism)", key="--cpu-weights")
     tp = init_tp(args.device, args.tp_timeout)
     try:
         # Rank 0 tokenizes and the others receive token ids; from there every rank runs the same loop on the

@@ -184,7 +184,9 @@ def add_cpu_weights_flag(p: argparse.ArgumentParser) -> None:
                    help="dense: the target's weights in --dtype; int8: weight-only int8 with power-of-two row scales (--dtype bf16 "
                         "or fp32: packed int8 matmuls for steps of few tokens, dense matmuls of the same weights for wider "
                         "ones; in fp32 the matmuls take and give bf16-rounded activations, all else stays fp32; +25%% weight "
-                        "memory in fp32, +50%% in bf16); the drafter stays dense. Not under tensor parallelism")
+                        "memory in fp32, +50%% in bf16); onednn: a bf16 target's matmul weights also held prepacked in "
+                        "oneDNN's layout (the same weights and products, faster kernels; +100%% of the matmul weights' memory); "
+                        "the drafter stays dense. Not under tensor parallelism")
 
 
 def weights_label(dtype: str, cpu_weights: str) -> str:

@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .models.drafter import DFlashDrafter
 from .models.eagle import Eagle3Drafter
 from .models.layers import LocalVocab, fuse_projections
-from .models.packed import CPU_WEIGHTS, pack_int8_target
+from .models.packed import CPU_WEIGHTS, pack_int8_target, pack_onednn_target, packed_kind
 from .models.target import TargetModel
 from .speculative import Scores
 from .tree import slot_candidates
@@ -40,20 +40,25 @@ class TorchBackend:
         `fuse`: one q/k/v and one gate/up matmul per layer (layers.FusedLinear) in the target and the drafter;
         False runs every projection apart, as the checkpoint names them.
         `cpu_weights` "int8": the target's weights become weight-only int8 (models.packed: packed kernels for
-        steps of few rows, dense matmuls of the same weights for wider ones; a bf16 or fp32 target); the drafter
-        stays in its dtype."""
+        steps of few rows, dense matmuls of the same weights for wider ones; a bf16 or fp32 target); "onednn": a bf16
+        target's matmul weights also held prepacked for oneDNN (the same weights); the drafter stays in its dtype."""
         self.target, self.drafter = target, drafter
         for model in (target, drafter):
             if model is not None:
                 fuse_projections(model, on=fuse)
-        self.int8_bytes = 0  # what the packed int8 copies add to the weights
-        if cpu_weights == "int8":
-            self.int8_bytes = pack_int8_target(target)
-        elif cpu_weights != "dense":
+        self.packed_bytes = 0  # what the packed copies (int8, oneDNN) add to the weights
+        if cpu_weights not in CPU_WEIGHTS:
             raise ConfigError(f"cpu_weights must be one of {', '.join(CPU_WEIGHTS)}, got {cpu_weights!r}", key="--cpu-weights")
-        elif target.lm_head_int8 is not None:  # re-fusing above dropped the fused int8 copies: half the model would run dense
-            raise ConfigError("this target already holds int8 weights (an earlier backend packed it); load it again for dense weights",
-                              key="--cpu-weights")
+        held = packed_kind(target)
+        if held is not None and held != cpu_weights:
+            # int8 rewrote the Parameters with their quantized values; and re-fusing above dropped the fused packed
+            # copies (half the model would run without them): either way not what was asked for
+            raise ConfigError(f"this target already holds {held} weights (an earlier backend packed it); load it again for "
+                              f"--cpu-weights {cpu_weights}", key="--cpu-weights")
+        if cpu_weights == "int8":
+            self.packed_bytes = pack_int8_target(target)
+        elif cpu_weights == "onednn":
+            self.packed_bytes = pack_onednn_target(target)
         self.vocab_size = target.cfg.vocab_size
         self.page_size, self.num_pages = page_size, num_pages
         self.target_cache = target.new_cache(num_pages, page_size)

@@ -13,7 +13,7 @@ from conftest import write_drafter, write_target
 
 from dflash_trt.errors import ConfigError
 from dflash_trt.loading import load_drafter, load_target
-from dflash_trt.models.packed import Int8Linear, Int8Weight, pack_int8_target, quantize_int8_pow2
+from dflash_trt.models.packed import OnednnWeight, PackedLinear, Int8Weight, pack_int8_target, pack_onednn_target, quantize_int8_pow2
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.torch_backend import TorchBackend
@@ -112,8 +112,8 @@ def test_packed_target_equals_a_dense_target_holding_the_dequantized_weights(tmp
         model = load_target(path, dtype=torch.bfloat16)
         backend = TorchBackend(model, None, 8, 16)  # fused, then int8 below
         added = pack_int8_target(model, crossover=crossover)
-        assert any(isinstance(m, Int8Linear) for m in model.modules()) and added > 0
-        assert (model.lm_head is None) == tie and model.lm_head_int8 is not None
+        assert any(isinstance(m, PackedLinear) for m in model.modules()) and added > 0
+        assert (model.lm_head is None) == tie and model.lm_head_packed is not None
         for ours, ref in zip(model.state_dict().values(), reference.state_dict().values()):
             assert torch.equal(ours, ref)  # the model's Parameters hold the quantized weights
         got, want = [], []
@@ -197,6 +197,12 @@ def test_generate_takes_cpu_weights_int8_on_bf16_and_fp32_and_refuses_fp16_in_on
     assert main([*common, "--no-drafter", "--dtype", "fp16", "--cpu-weights", "int8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--cpu-weights" in err[0] and "bf16 or fp32" in err[0]
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert main([*common, "--drafter", str(drafter), "--dtype", "bf16", "--cpu-weights", "onednn"]) == 0
+        assert "tau=" in capsys.readouterr().err
+        assert main([*common, "--no-drafter", "--dtype", "fp32", "--cpu-weights", "onednn"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--cpu-weights onednn prepacks bf16" in err[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -225,5 +231,89 @@ def test_a_dense_backend_on_a_target_packed_before_is_refused(tmp_path):
     target = load_target(write_target(tmp_path / "t", "llama"), dtype=torch.bfloat16)
     TorchBackend(target, None, 8, 16, cpu_weights="int8")
     TorchBackend(target, None, 8, 16, cpu_weights="int8")  # the same weights again: fine (packing is idempotent)
+    with pytest.raises(ConfigError, match="already holds int8 weights.*--cpu-weights onednn"):
+        TorchBackend(target, None, 8, 16, cpu_weights="onednn")
     with pytest.raises(ConfigError, match="already holds int8"):
         TorchBackend(target, None, 8, 16)
+
+
+# ---- --cpu-weights onednn: the same bf16 weights, prepacked for oneDNN ----------------------------------------------
+
+needs_onednn = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                                  reason="torch's oneDNN has no bf16 on this CPU")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 70])
+def test_onednn_weight_is_the_bf16_product_of_the_same_weight(rows):
+    """Against float64 math on the same bf16 values: within bf16 rounding of the output, as F.linear is; the bias is
+    added; under autograd it is F.linear itself."""
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(96, 64, generator=g) / 8).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    packed = OnednnWeight(w)
+    with torch.no_grad():
+        got = packed.linear(x, b)
+        dense = F.linear(x, w, b)
+    ref = x.double() @ w.double().t() + b.double()
+    tol = 2 ** -7 * ref.abs().amax().item() * 2  # two bf16 ulps of the largest output
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    assert (got.double() - ref).abs().max().item() <= tol and (dense.double() - ref).abs().max().item() <= tol
+    assert packed.nbytes == w.nbytes
+    with torch.enable_grad():
+        xg = x.clone().requires_grad_(True)
+        packed.linear(xg, b).float().sum().backward()  # the dense path: gradients flow
+        assert xg.grad is not None
+    with pytest.raises(TypeError, match="bf16"):
+        OnednnWeight(w.float())
+
+
+@needs_onednn
+def test_onednn_target_runs_the_same_weights_and_refuses_other_dtypes(tmp_path):
+    """A prepacked target keeps its Parameters as they are (no quantization) and its logits equal the dense target's
+    to bf16 rounding; an fp32 target is refused with one error naming --cpu-weights."""
+    path = write_target(tmp_path / "t", "llama", seed=4)
+    dense, model = load_target(path, dtype=torch.bfloat16), load_target(path, dtype=torch.bfloat16)
+    backend = TorchBackend(model, None, 8, 16, cpu_weights="onednn")
+    assert backend.packed_bytes > 0 and model.lm_head_packed is not None
+    for ours, ref in zip(model.state_dict().values(), dense.state_dict().values()):
+        assert torch.equal(ours, ref)
+    tokens = torch.tensor([5, 9, 14, 2, 33, 7])
+    out = []
+    for m in (model, dense):
+        cache = m.new_cache(8, 16)
+        cache.add_sequence(0)
+        with torch.inference_mode():
+            out.append(m(tokens, cache.prepare([0], [len(tokens)]), cache)[0])
+    assert (out[0] - out[1]).abs().max() <= 0.05 * out[1].abs().max()
+    with pytest.raises(ConfigError, match="--cpu-weights.*bf16"):
+        TorchBackend(load_target(path, dtype=torch.float32), None, 8, 16, cpu_weights="onednn")
+
+
+@needs_onednn
+def test_greedy_with_drafts_equals_plain_decoding_on_the_same_onednn_target(tmp_path):
+    """Lossless against the target as run (bf16, prepacked): DFlash with oracle drafts and plain decoding agree at
+    batch 1 and 3, blocks 8 and 4; where bf16 rounding of a verify block parts them, the target's logits are a near-tie."""
+    from test_lossless import OracleDrafts
+
+    from dflash_trt.bench import flip_logit_gap
+
+    target_dir = write_target(tmp_path / "t", "llama", seed=5)
+    drafter_dir = write_drafter(tmp_path / "d", target_dir, num_layers=2, block_size=8)
+    target = load_target(target_dir, dtype=torch.bfloat16)
+    ar = TorchBackend(target, None, 128, 4, cpu_weights="onednn")
+    drafter = load_drafter(drafter_dir, target.cfg, dtype=torch.bfloat16)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 30, 40]]
+    params = SamplingParams(max_new_tokens=24)
+    plain = [o.output_ids for o in Generator(ar, eos_token_ids=set(), max_batch=4).generate(prompts, params)]
+    flips = 0
+    for batch, block in ((1, 8), (3, 4)):
+        dflash = TorchBackend(target, drafter, 128, 4, block_size=block, cpu_weights="onednn")  # re-fuses and re-packs
+        spec = Generator(OracleDrafts(dflash, prompts, plain, seed=block), eos_token_ids=set(), max_batch=batch).generate(prompts, params)
+        assert max(n for o in spec for n in o.accepted_lengths) >= block - 1
+        for p, a, o in zip(prompts, plain, spec):
+            if a != o.output_ids:
+                flips += 1
+                assert abs(flip_logit_gap(ar, p, a, o.output_ids)) < 0.1, p
+    assert flips <= 2

@@ -116,7 +116,7 @@ class FusedLinear:
                 m.bias.data = self.bias[start : start + n]
             start += n
         self._ptrs = [self._storage(m) for m in linears]  # where each linear's weight (and bias) now live
-        self.int8 = None  # packed.Int8Weight of `weight` under --cpu-weights int8 (packed.pack_int8)
+        self.packed = None  # a models.packed weight (Int8Weight, OnednnWeight) of `weight` under --cpu-weights
 
     @staticmethod
     def _storage(m: nn.Linear) -> tuple[int, int | None]:
@@ -132,7 +132,7 @@ class FusedLinear:
     def __call__(self, parent: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The linears' outputs for input x: one matmul while `live(parent)`, else each of parent's linears."""
         if self.live(parent):
-            y = dense_linear(x, self.weight, self.bias) if self.int8 is None else self.int8.linear(x, self.bias)
+            y = dense_linear(x, self.weight, self.bias) if self.packed is None else self.packed.linear(x, self.bias)
             return y.split(self.sizes, dim=-1)
         return tuple(project(getattr(parent, name), x) for name in self.names)
 

@@ -53,7 +53,7 @@ class TargetModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
         self.vocab = LocalVocab()  # tp.apply_tp replaces it: logits are then this rank's vocab columns
-        self.lm_head_int8 = None  # packed.Int8Weight of lm_head_weight under --cpu-weights int8 (packed.pack_int8)
+        self.lm_head_packed = None  # a models.packed weight of lm_head_weight under --cpu-weights (packed.pack_weights)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -64,8 +64,8 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, H] after the final norm → logits [n, V] (fp32)."""
-        if self.lm_head_int8 is not None:
-            return self.lm_head_int8.linear(hidden).float()
+        if self.lm_head_packed is not None:
+            return self.lm_head_packed.linear(hidden).float()
         return dense_linear(hidden, self.lm_head_weight).float()
 
     def new_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
