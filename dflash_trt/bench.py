@@ -284,9 +284,12 @@ def verdict(results: dict, methods: list[str], dtype: str) -> list[str]:
         equal = sum(row[m]["equal_to_ar"] for row in results["domains"].values())
         total = sum(row[m]["requests"] for row in results["domains"].values())
         gaps = [abs(g) for row in results["domains"].values() for g in row[m].get("flip_logit_gaps", [])]
-        if m == "ar-dense":
+        if m == "ar-dense" and int8:
             lines.append(f"- `ar-dense` (plain decoding on the {dtype} weights before int8): {equal} of {total} greedy outputs equal "
                          "the int8 target's; int8 changes the model, so every other method is compared with the int8 target as run.")
+        elif m == "ar-dense":
+            lines.append(f"- `ar-dense` (plain decoding on the same {dtype} weights, not prepacked): {equal} of {total} greedy outputs "
+                         "equal the prepacked target's (the same weights; its kernel computes the same products).")
         elif equal == total:
             lines.append(f"- `{m}`'s outputs equal AR's on all {total} prompts" + (" (fp32: exact, as the tests prove)." if exact and m not in peers else "."))
         elif m in peers:
@@ -308,8 +311,8 @@ COLUMNS_EXPLAINED = [
     "as `dflash-auto`). Peers (`--peer`, batch 1 only): `hf-greedy` transformers' `generate` greedy "
     "in fp32 (the baseline of 'vs HF fp32 greedy'), `hf-pld` the same with prompt lookup decoding "
     f"(`prompt_lookup_num_tokens={PLD_TOKENS}`), `llama.cpp` llama-cpp-python greedy on the Q4_1 GGUF the target was "
-    "dequantized from. With `--cpu-weights int8`: `ar-dense` plain decoding on the weights before int8 (its = AR output "
-    "is the greedy agreement of int8 with them).",
+    "dequantized from. With `--cpu-weights int8` or `onednn`: `ar-dense` plain decoding on the dense weights (before int8: "
+    "its = AR output is int8's greedy agreement with them; not prepacked: the same weights and products).",
     "Columns: τ = tokens committed per target step (1.0 for AR); decode tok/s = output tokens after the first, over "
     "decode time, batch 1; speedup vs AR = decode tok/s over AR's on the same prompts; = AR output = requests whose text "
     "equals AR's exactly; flips: max logit gap (n) = for the n requests that differ from AR, the largest gap between "
@@ -416,7 +419,7 @@ def cmd_bench(args) -> int:
                 methods.append(Method("dflash-auto", dflash, args.max_verify_tokens, cost))
         for nodes in _tree_sizes(args.tree, dflash.max_drafts):
             methods.append(Method(f"dflash-tree{nodes}", dflash, args.max_verify_tokens, cost, tree=TreeSpec(nodes, args.tree_top_k)))
-    if weights != "dense":  # the same decoding on the dense weights: how often int8 changes the greedy output, and its speed
+    if weights != "dense":  # the same decoding on the dense weights: how often int8 (or the prepacking) changes the greedy output, and the speed
         methods.append(Method("ar-dense", TorchBackend(load_target(args.target, dtype=DTYPES[args.dtype]), None, num_pages=pages)))
     if args.peer:
         from .peers import make_peers
