@@ -7,7 +7,8 @@ bit for bit at every shape measured). The prepacked kernel skips the per-call re
 on that 2-core machine, 1 thread, one interleaved run (notes of issue 21): 576×3072 at 1 row 71 µs vs 143 µs, at
 16 rows 279 vs 383 µs, at 200 rows 3.4 vs 7.8 ms; the 576×49152 head at 1 row 5.5 vs 7.8 ms. Memory: one more copy
 of every matmul weight (+100% of the linears' bytes; the tied embedding table stays as it is, its head copy is
-added). bf16 targets only (an fp32 one gains little: 69 vs 78 µs).
+added). bf16 targets only: for an fp32 target the whole 1-token step ran slower prepacked (41.3 vs 31.6 ms, weights
+from DRAM: dense_linear's two-row GEMM streams them faster), though a 16-token verify ran faster (78.8 vs 85.4 ms).
 
 Weight-only int8: packed int8 matmuls where they are faster, dense matmuls of the very same weights where they are not.
 
