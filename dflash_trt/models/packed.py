@@ -4,7 +4,7 @@
 what inductor's CPU freezing pass uses) and run by `mkldnn._linear_pointwise`. Same weights, same dtype, no
 quantization: its products agree with F.linear's (tests/test_packed.py; on the AVX512-bf16 EPYC of this project
 bit for bit at every shape measured). The prepacked kernel skips the per-call reorder of the plain layout: measured
-on that 2-core machine, 1 thread, one interleaved run (notes of issue 21): 576×3072 at 1 row 71 µs vs 143 µs, at
+on that 2-core machine, 1 thread, cache-hot, interleaved (notes of issue 21): 576×3072 at 1 row 71 µs vs 143 µs, at
 16 rows 279 vs 383 µs, at 200 rows 3.4 vs 7.8 ms; the 576×49152 head at 1 row 5.5 vs 7.8 ms. Memory: one more copy
 of every matmul weight (+100% of the linears' bytes; the tied embedding table stays as it is, its head copy is
 added). bf16 targets only: for an fp32 target the whole 1-token step ran slower prepacked (41.3 vs 31.6 ms, weights
