@@ -549,10 +549,6 @@ def engine_config_json(target: dict[str, Any], drafter: dict[str, Any], target_p
                 f"{drafter.get(key)!r} != the target's {target.get(key)!r} ({target_path}): the engine's one KV pool and one "
                 "mapping hold both models", file=drafter_path, key=key,
             )
-    # The drafter layers use the model's RoPE tables, sized from the target's config (eagle/model.py:585 @ f0c873f5)
-    if (drafter.get("max_position_embeddings") or 0) > (target.get("max_position_embeddings") or 0):
-        raise ConfigError(f"{drafter.get('max_position_embeddings')} > the target's {target.get('max_position_embeddings')} "
-                          f"({target_path}): the drafter layers read the target's RoPE tables", file=drafter_path, key="max_position_embeddings")
     kv_algo = lambda raw: (raw.get("quantization") or {}).get("kv_cache_quant_algo")  # noqa: E731
     if kv_algo(drafter) != kv_algo(target):
         raise ConfigError(f"{kv_algo(drafter)!r} != the target's {kv_algo(target)!r}: one KV pool, one KV dtype", file=drafter_path,

@@ -244,15 +244,26 @@ def load_train_prompts(domain: str, limit: int, cache_dir: Path | None = None, s
     raise ValueError(f"no training prompts for domain {domain!r}; expected one of {TRAIN_DOMAINS}")
 
 
-def load_train_mix(mix: str, cache_dir: Path | None = None) -> list[Prompt]:
-    """The training prompts of a mix "domain=count,..." (make_training_data's --mix), domain by domain in the mix's
-    order, each domain's first `count` of its seeded order (so a larger count holds the smaller one's prompts first)."""
-    prompts: list[Prompt] = []
+def parse_mix(mix: str) -> list[tuple[str, int]]:
+    """(domain, count) of each item of a mix "domain=count,..." (empty items skipped)."""
+    items = []
     for item in mix.split(","):
         if not item.strip():
             continue
         domain, _, count = item.partition("=")
         if not count.strip().isdigit():
             raise ValueError(f"{item!r} is not domain=count")
-        prompts += load_train_prompts(domain.strip(), int(count), cache_dir=cache_dir, seed=0)
-    return prompts
+        items.append((domain.strip(), int(count)))
+    return items
+
+
+def load_train_mix(mix: str, cache_dir: Path | None = None) -> list[Prompt]:
+    """The training prompts of a mix "domain=count,..." (make_training_data's --mix), domain by domain in the mix's
+    order, each domain's first `count` of its seeded order (so a larger count holds the smaller one's prompts first)."""
+    return [p for domain, count in parse_mix(mix) for p in load_train_prompts(domain, count, cache_dir=cache_dir, seed=0)]
+
+
+def load_eval_mix(mix: str, cache_dir: Path | None = None) -> list[Prompt]:
+    """The evaluation prompts of a mix "domain=count,..." (make_training_data --split eval): each domain's first
+    `count` of its evaluation split."""
+    return [p for domain, count in parse_mix(mix) for p in load_eval_prompts(domain, count, cache_dir=cache_dir)]

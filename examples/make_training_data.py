@@ -27,7 +27,7 @@ from dflash_trt.loading import DTYPES, encode_prompt, generation_eos_ids, load_t
 from dflash_trt.config import build_target_layer_ids, load_target_config
 from dflash_trt.kv_cache import pool_pages
 from dflash_trt.progress import progress_bar
-from dflash_trt.prompts import load_eval_prompts, load_train_mix
+from dflash_trt.prompts import load_eval_mix, load_train_mix
 from dflash_trt.runtime import Generator
 from dflash_trt.sampling import SamplingParams
 from dflash_trt.torch_backend import TorchBackend
@@ -67,7 +67,10 @@ def main() -> None:
     cfg = load_target_config(args.target)
     layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else build_target_layer_ids(cfg.num_layers, 3)
     tok = load_tokenizer(args.target)
-    prompts = load_train_mix(args.mix) if args.split == "train" else eval_mix(args.mix)
+    try:
+        prompts = (load_train_mix if args.split == "train" else load_eval_mix)(args.mix)
+    except ValueError as e:
+        raise SystemExit(f"--mix: {e}") from None
     if args.order == "shuffled":
         random.Random(0).shuffle(prompts)
     out = Path(args.out)
@@ -119,20 +122,6 @@ def main() -> None:
         write_info(out, args, layer_ids, shard * args.shard_size if lo + args.shard_size < len(prompts) else len(prompts), total_tokens, start)
     bar.close()
     write_info(out, args, layer_ids, len(prompts), total_tokens, start)
-
-
-def eval_mix(mix: str) -> list:
-    """The evaluation prompts of a mix "domain=count,..." (each domain's first `count` of its evaluation split)."""
-    prompts = []
-    for item in filter(str.strip, mix.split(",")):
-        domain, _, count = item.partition("=")
-        if not count.strip().isdigit():
-            raise SystemExit(f"--mix: {item!r} is not domain=count")
-        try:
-            prompts += load_eval_prompts(domain.strip(), int(count))
-        except ValueError as e:
-            raise SystemExit(f"--mix: {e}") from None
-    return prompts
 
 
 def write_info(out: Path, args, layer_ids: list[int], sequences: int, total_tokens: int, start: float) -> None:

@@ -93,11 +93,8 @@ def load_curve_data(dirs: str | None) -> list[dict]:
     """The sequences of --curve-data (make_training_data --split eval outputs; a training split is refused)."""
     seqs = []
     for d in [Path(x) for x in (dirs or "").split(",") if x.strip()]:
-        path = d / "info.json"
-        if not path.is_file():
-            raise SystemExit(f"{path}: missing (is {d} a make_training_data --out directory?)")
-        if json.loads(path.read_text()).get("split", "train") != "eval":
-            raise SystemExit(f"{path}: split is not 'eval': --curve-data takes make_training_data --split eval outputs")
+        if read_info(d).get("split", "train") != "eval":
+            raise SystemExit(f"{d / 'info.json'}: split is not 'eval': --curve-data takes make_training_data --split eval outputs")
         seqs += load_shards(d)
     return seqs
 
@@ -147,17 +144,22 @@ def load_inputs(args):
     return info, seqs, load_target(args.target)
 
 
+def read_info(data_dir: Path) -> dict:
+    """A make_training_data output's info.json, or one error naming it."""
+    path = data_dir / "info.json"
+    if not path.is_file():
+        raise SystemExit(f"{path}: missing (is {data_dir} a make_training_data --out directory?)")
+    return json.loads(path.read_text())
+
+
 def merge_data(dirs: list[Path]) -> tuple[dict, list[dict]]:
     """(combined info, all sequences) of several make_training_data outputs, which must agree on the target's layer
     ids and generation settings (a sequence's features are only comparable then)."""
     infos = []
     for d in dirs:
-        path = d / "info.json"
-        if not path.is_file():
-            raise SystemExit(f"{path}: missing (is {d} a make_training_data --out directory?)")
-        infos.append(json.loads(path.read_text()))
+        infos.append(read_info(d))
         if infos[-1].get("split", "train") != "train":
-            raise SystemExit(f"{path}: split = {infos[-1]['split']!r}: evaluation prompts are never trained on (pass it as --curve-data)")
+            raise SystemExit(f"{d / 'info.json'}: split = {infos[-1]['split']!r}: evaluation prompts are never trained on (pass it as --curve-data)")
     first = infos[0]
     for d, info in zip(dirs[1:], infos[1:]):
         for key in ("layer_ids", "max_new_tokens"):
