@@ -451,14 +451,13 @@ def cmd_bench(args) -> int:
 
 def register_cli(sub) -> None:
     from .flags import HELP_FORMAT, positive_int
-    from .loading import add_cpu_weights_flag, add_model_flags
+    from .loading import add_model_flags
 
     b = sub.add_parser("bench", help="benchmark DFlash against autoregressive decoding on the shipped prompt sets", formatter_class=HELP_FORMAT,
                        description="AR vs the EAGLE-3-style baseline vs DFlash (and DFlash with the draft length from the step cost) "
                                    "on the shipped prompt sets, one table per run: tau, tokens/s, speedup over AR, how many outputs "
                                    "equal AR's, plus a concurrency sweep. Writes bench.json, bench.md and bench.png to --out.")
-    add_model_flags(b, "bench", serving=False)
-    add_cpu_weights_flag(b)
+    add_model_flags(b, "bench", serving=False, cpu_weights=True)
     b.add_argument("--eagle", help="EAGLE-3-style baseline drafter directory (chain length = its block_size - 1)")
     b.add_argument("--domains", default=",".join(EVAL_DOMAINS), help="comma-separated prompt sets")
     b.add_argument("--num-prompts", type=positive_int, default=8, help="prompts per domain")

@@ -14,8 +14,8 @@ from .errors import ConfigError, DFlashError
 from .flags import HELP_FORMAT, positive_int
 from .tree import add_tree_flags, tree_from_args
 from .loading import (
-    DTYPES, add_cpu_weights_flag, add_model_flags, add_tp_flags, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer,
-    load_torch_backend, load_tp_backend, prepare_on_rank_0, read_prompts, requested_drafter, weights_label,
+    DTYPES, add_model_flags, add_tp_flags, check_model_dirs, checkpoint_parts, encode_prompt, generation_eos_ids, load_tokenizer,
+    load_torch_backend, load_tp_backend, prepare_on_rank_0, read_prompts, requested_drafter, resolve_auto_dtype, weights_label,
 )
 
 
@@ -228,8 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate with the PyTorch reference runtime: DFlash (or the EAGLE-3-style baseline) against the "
                                    "target's own greedy output, or plain decoding with --no-drafter. Text streams to stdout; one "
                                    "statistics line (mode, tau, tokens/s, acceptance, finish reasons) goes to stderr.")
-    add_model_flags(g, "generate")
-    add_cpu_weights_flag(g)
+    add_model_flags(g, "generate", cpu_weights=True)
     add_tp_flags(g)
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank (NCCL)")
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -252,8 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Time one draft + verify step for each batch size and draft count once, on this machine, for this "
                                    "model pair, dtype and block size, and cache it where generate / bench / serve find it "
                                    "($DFLASH_TRT_CALIBRATION, else calibration/ under the package cache). Prints the table.")
-    add_model_flags(c, "calibrate")
-    add_cpu_weights_flag(c)
+    add_model_flags(c, "calibrate", cpu_weights=True)
     c.set_defaults(max_batch=16)
     c.add_argument("--force", action="store_true", help="measure again even if a cached table exists")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -274,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    resolve_auto_dtype(args, log=lambda line: print(line, file=sys.stderr))
     try:
         return args.func(args)
     except DFlashError as e:

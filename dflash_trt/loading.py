@@ -150,11 +150,12 @@ def checkpoint_root(part: str | Path) -> Path:
 # ----------------------------------------------------------------------------------------------------
 # Command-line flags shared by the front ends (generate, serve, triton-repo, bench)
 
-def add_model_flags(p: argparse.ArgumentParser, launcher: str, serving: bool = True) -> None:
+def add_model_flags(p: argparse.ArgumentParser, launcher: str, serving: bool = True, cpu_weights: bool = False) -> None:
     """The model directories and how the runtime holds them: one definition for generate, serve, triton-repo,
     calibrate and bench. `launcher` is the subcommand (for the --checkpoint help); `serving` False (bench) leaves
     out what only a serving front end takes (--checkpoint, --drafter-type, --no-drafter, the KV pool's sizes) and
-    makes --target required."""
+    makes --target required. `cpu_weights` (the front ends that run the torch backend in this process: generate,
+    calibrate, bench, serve) adds --cpu-weights and `--dtype auto` (resolve_auto_dtype)."""
     p.add_argument("--target", required=not serving, help="Hugging Face target model directory (config.json, safetensors, tokenizer)")
     if serving:
         p.add_argument("--checkpoint", help="instead of --target/--drafter: the output of dflash-trt convert (DIR/target and DIR/drafter, "
@@ -165,7 +166,13 @@ def add_model_flags(p: argparse.ArgumentParser, launcher: str, serving: bool = T
         p.add_argument("--no-drafter", action="store_true", help="plain autoregressive decoding (the baseline)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --target, or --checkpoint's DIR)")
     p.add_argument("--block-size", type=positive_int, help="verify block size, 2..drafter block_size (default: the drafter's); forces this width")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and activations")
+    if cpu_weights:
+        p.add_argument("--dtype", choices=[*sorted(DTYPES), "auto"], default="fp32",
+                       help="weights and activations; auto: the fastest measured on this machine (bf16 with --cpu-weights onednn "
+                            "on a CPU with native bf16 (AVX512-BF16 or AMX), else fp32; bf16 on a GPU)")
+        add_cpu_weights_flag(p)
+    else:
+        p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weights and activations")
     if serving:
         p.add_argument("--max-batch", type=positive_int, default=8, help="requests in the running batch")
     p.add_argument("--max-verify-tokens", type=positive_int, help="at most this many tokens per verify pass over the batch: blocks shrink "
@@ -180,13 +187,42 @@ def add_cpu_weights_flag(p: argparse.ArgumentParser) -> None:
     """--cpu-weights (generate, calibrate, bench, serve: the single-process torch backend)."""
     from .models.packed import CPU_WEIGHTS
 
-    p.add_argument("--cpu-weights", choices=CPU_WEIGHTS, default="dense",
-                   help="dense: the target's weights in --dtype; int8: weight-only int8 with power-of-two row scales (--dtype bf16 "
+    p.add_argument("--cpu-weights", choices=CPU_WEIGHTS, default=None,
+                   help="dense (the default; onednn under --dtype auto where it picks bf16): the target's weights in --dtype; int8: weight-only int8 with power-of-two row scales (--dtype bf16 "
                         "or fp32: packed int8 matmuls for steps of few tokens, dense matmuls of the same weights for wider "
                         "ones; in fp32 the matmuls take and give bf16-rounded activations, all else stays fp32; +25%% weight "
                         "memory in fp32, +50%% in bf16); onednn: a bf16 target's matmul weights also held prepacked in "
                         "oneDNN's layout (the same weights and products, faster kernels; +100%% of the matmul weights' memory); "
                         "the drafter stays dense. Not under tensor parallelism")
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively through oneDNN (AVX512-BF16 or AMX tiles). Where it does, bf16 with
+    oneDNN-prepacked weights is the fastest setting measured here (README, "Speed on a CPU"); without them oneDNN
+    emulates bf16 and fp32 is faster."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
+
+
+def resolve_auto_dtype(args, log=None) -> None:
+    """`--dtype auto` and an unset --cpu-weights, resolved in place before a front end reads them: on a GPU bf16;
+    on a CPU with native bf16, bf16 with oneDNN-prepacked weights (dense under tensor parallelism, which holds
+    dense weights only); elsewhere fp32. An unset --cpu-weights is dense otherwise. `log` gets one line saying
+    what auto chose."""
+    from .tp import launched_world_size
+
+    if getattr(args, "dtype", None) == "auto":
+        cuda = getattr(args, "device", "cpu") == "cuda"
+        fast = not cuda and native_cpu_bf16()
+        args.dtype = "bf16" if cuda or fast else "fp32"
+        if args.cpu_weights is None:
+            args.cpu_weights = "onednn" if fast and launched_world_size() == 1 else "dense"
+        if log is not None:
+            why = ("a GPU" if cuda else "this CPU multiplies bf16 natively" if fast
+                   else "this CPU has no native bf16 (AVX512-BF16 / AMX), where fp32 is faster")
+            log(f"--dtype auto: {weights_label(args.dtype, args.cpu_weights)} ({why})")
+    if getattr(args, "cpu_weights", "dense") is None:
+        args.cpu_weights = "dense"
 
 
 def weights_label(dtype: str, cpu_weights: str) -> str:

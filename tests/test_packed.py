@@ -5,6 +5,7 @@ independently dequantized weights, and greedy decoding with drafts against plain
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -317,3 +318,54 @@ def test_greedy_with_drafts_equals_plain_decoding_on_the_same_onednn_target(tmp_
                 flips += 1
                 assert abs(flip_logit_gap(ar, p, a, o.output_ids)) < 0.1, p
     assert flips <= 2
+
+
+def test_native_cpu_bf16_reads_the_cpu_flags_linux_reports():
+    """The independent reference: the kernel's own CPU flags (AVX512-BF16 or AMX tiles) and torch's oneDNN."""
+    from dflash_trt.loading import native_cpu_bf16
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo on this OS")
+    flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split(":", 1)[1].split())
+    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert native_cpu_bf16() == (onednn and bool(flags & {"avx512_bf16", "amx_tile", "amx_bf16"}))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_picks_bf16_onednn_only_on_native_bf16_and_decodes_as_that_setting(tiny_dirs, capsys, tmp_path, monkeypatch, native):
+    """`--dtype auto` is exactly the setting it names: the same tokens as that setting spelled out (fp32 where the CPU
+    has no native bf16; bf16 + onednn where it has), an explicit --cpu-weights kept, dense under tensor parallelism."""
+    import argparse
+
+    from dflash_trt import loading
+    from dflash_trt.cli import main
+
+    if native and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("torch's oneDNN has no bf16 here")
+    monkeypatch.setattr(loading, "native_cpu_bf16", lambda: native)
+    monkeypatch.setenv("DFLASH_TRT_CALIBRATION", str(tmp_path / "cal"))
+    target, drafter = tiny_dirs
+    common = ["generate", "--target", str(target), "--drafter", str(drafter), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
+              "--ignore-eos", "--block-size", "4"]
+    assert main([*common, "--dtype", "auto"]) == 0
+    auto = capsys.readouterr()
+    chosen = ["--dtype", "bf16", "--cpu-weights", "onednn"] if native else ["--dtype", "fp32"]
+    assert f"--dtype auto: {'bf16+onednn' if native else 'fp32'} (" in auto.err
+    assert main([*common, *chosen]) == 0
+    assert capsys.readouterr().out == auto.out
+
+    def resolved(*flags, world=None):
+        if world:
+            monkeypatch.setenv("WORLD_SIZE", world)
+        p = argparse.ArgumentParser()
+        loading.add_model_flags(p, "generate", cpu_weights=True)
+        args = p.parse_args(list(flags))
+        loading.resolve_auto_dtype(args)
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        return args.dtype, args.cpu_weights
+
+    bf16 = "bf16" if native else "fp32"
+    assert resolved("--dtype", "auto", "--cpu-weights", "int8") == (bf16, "int8")
+    assert resolved("--dtype", "auto", world="2") == (bf16, "dense")
+    assert resolved() == ("fp32", "dense") and resolved("--dtype", "bf16") == ("bf16", "dense")

@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _model_args(p, launcher: str = "serve") -> None:
+def _model_args(p, launcher: str = "serve", cpu_weights: bool = False) -> None:
     from ..flags import positive_int
     from ..loading import add_model_flags
 
-    add_model_flags(p, launcher)
+    add_model_flags(p, launcher, cpu_weights=cpu_weights)
     p.add_argument("--max-model-len", type=positive_int, default=2048, help="prompt + output tokens per request (capped by the target's limit)")
     p.add_argument("--default-max-tokens", type=positive_int, default=256, help="max_tokens when a request does not say")
     p.add_argument("--model-name", help="the model id clients send (default: the target directory's name)")
@@ -92,12 +92,11 @@ def cmd_triton_repo(args) -> int:
 
 def register_cli(sub) -> None:
     from ..flags import HELP_FORMAT
-    from ..loading import add_cpu_weights_flag, add_tp_flags
+    from ..loading import add_tp_flags
     from ..tree import add_tree_flags
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, continuous batching, Prometheus metrics)", formatter_class=HELP_FORMAT)
-    _model_args(s, "serve")
-    add_cpu_weights_flag(s)
+    _model_args(s, "serve", cpu_weights=True)
     add_tree_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
