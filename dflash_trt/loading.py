@@ -198,7 +198,7 @@ def add_cpu_weights_flag(p: argparse.ArgumentParser) -> None:
 
 def native_cpu_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively through oneDNN (AVX512-BF16 or AMX tiles). Where it does, bf16 with
-    oneDNN-prepacked weights is the fastest setting measured here (README, "Speed on a CPU"); without them oneDNN
+    oneDNN-prepacked weights is the fastest setting measured here (README, `--cpu-weights onednn`); without them oneDNN
     emulates bf16 and fp32 is faster."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
                 and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
