@@ -200,8 +200,9 @@ def native_cpu_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively through oneDNN (AVX512-BF16 or AMX tiles). Where it does, bf16 with
     oneDNN-prepacked weights is the fastest setting measured here (README, `--cpu-weights onednn`); without them oneDNN
     emulates bf16 and fp32 is faster."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
+    from .models.packed import onednn_bf16_available
+
+    return onednn_bf16_available() and bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def resolve_auto_dtype(args, log=None) -> None:

@@ -211,13 +211,18 @@ def pack_int8(model: nn.Module, crossover: int | None = None) -> int:
     return pack_weights(model, lambda w: Int8Weight(w, crossover))
 
 
+def onednn_bf16_available() -> bool:
+    """Whether torch's oneDNN runs bf16 matmuls on this CPU (natively or emulated): what --cpu-weights onednn needs."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_onednn_target(target: nn.Module) -> int:
     """oneDNN-prepacked copies of a bf16 target's matmul weights, with one clear error for any other dtype or a
     torch without oneDNN bf16 on this CPU. Returns the bytes they add."""
     dtype = target.lm_head_weight.dtype
     if dtype != torch.bfloat16:
         raise ConfigError(f"--cpu-weights onednn prepacks bf16 weights; this target is {dtype} (use --dtype bf16)", key="--cpu-weights")
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if not onednn_bf16_available():
         raise ConfigError("--cpu-weights onednn needs torch's oneDNN with bf16 support on this CPU (torch.backends.mkldnn)", key="--cpu-weights")
     return pack_weights(target, OnednnWeight)
 
