@@ -209,6 +209,34 @@ class AttentionBatch:
             self._masks["valid_rows"] = self.q_valid.reshape(-1).nonzero().squeeze(1)
         return self._masks["valid_rows"]
 
+    def unpadded(self) -> bool:
+        """Every sequence brings the same number of new tokens: the flat rows are the padded [B, Lq] layout as is
+        (q_index is arange, valid_rows all rows), so attention views them instead of gathering."""
+        if "unpadded" not in self._masks:
+            self._masks["unpadded"] = min(self.q_lens) == max(self.q_lens)
+        return self._masks["unpadded"]
+
+    def kv_run(self) -> tuple[int, int] | None:
+        """(first, end) when the batch is one sequence whose keys sit in consecutive pool slots (pages handed out in
+        order, as a fresh pool does): attention then reads pool[first:end] as a view instead of gathering it."""
+        if "kv_run" not in self._masks:
+            run = None
+            if self.kv_slots.shape[0] == 1:
+                slots = self.kv_slots[0]
+                first, last = int(slots[0]), int(slots[-1])
+                if last - first == len(slots) - 1 and bool((slots[1:] - slots[:-1] == 1).all()):
+                    run = (first, last + 1)
+            self._masks["kv_run"] = run
+        return self._masks["kv_run"]
+
+    def mask_is_full(self, causal: bool, window: int | None) -> bool:
+        """Whether mask(causal, window) lets every query see every key (one new token per sequence, no padding, no
+        window cutting in): attention then runs without a mask, which is the faster kernel."""
+        key = ("full", causal, window)
+        if key not in self._masks:
+            self._masks[key] = bool(self.mask(causal, window).all())
+        return self._masks[key]
+
     def mask(self, causal: bool, window: int | None) -> torch.Tensor:
         """[B, 1, Lq, Lk] bool, True where a query may attend a key.
 

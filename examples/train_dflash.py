@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from train_common import (build_drafter, common_args, curve_evaluator, draft_coverage, export, finish, fit, lineage_prompts, load_curve_data,
                           load_inputs, model_card, previous_curve, split_heldout, training_head)
 
-from dflash_trt.config import DRAFTER_ARCHITECTURE, load_target_config
+from dflash_trt.config import DRAFTER_ARCHITECTURE, load_target_config, parse_drafter_config
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.loading import load_drafter
 from dflash_trt.models.layers import apply_rope
@@ -74,6 +74,27 @@ def init_from_target(drafter: DFlashDrafter, target) -> None:
                 if key in src and src[key].shape == p.shape:
                     p.copy_(src[key])
         drafter.norm.weight.copy_(target.model.norm.weight)
+
+
+def grow_layers(drafter: DFlashDrafter, raw_cfg: dict, n: int, path: Path) -> DFlashDrafter:
+    """`drafter` with `n` more layers on top that start as the identity: each a copy of the last layer with its
+    o_proj and down_proj zeroed (a layer is x + attn(x), then + mlp(x): zero outputs leave x as is; its k/v still
+    read the injected context). So the grown drafter drafts exactly what the resumed one did, and training can only
+    add to it (the zeroed matrices get gradients at once; the copied ones as soon as those move). Updates `raw_cfg`."""
+    raw_cfg["num_hidden_layers"] = drafter.cfg.num_layers + n
+    raw_cfg["layer_types"] = list(raw_cfg.get("layer_types") or ["full_attention"] * drafter.cfg.num_layers) + ["full_attention"] * n
+    cfg = parse_drafter_config(raw_cfg, path / "config.json")
+    grown = DFlashDrafter(cfg, drafter.fc.in_features).to(drafter.fc.weight.dtype)
+    state = drafter.state_dict()
+    last = drafter.cfg.num_layers - 1
+    for i in range(drafter.cfg.num_layers, cfg.num_layers):
+        for key in [k for k in state if k.startswith(f"layers.{last}.")]:
+            state[f"layers.{i}." + key[len(f"layers.{last}."):]] = state[key].clone()
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            state[f"layers.{i}.{name}"] = torch.zeros_like(state[f"layers.{i}.{name}"])
+    grown.load_state_dict(state, strict=True)
+    grown.fuse_context_projections()
+    return grown
 
 
 def block_outputs(drafter: DFlashDrafter, embed: torch.Tensor, head: tuple, seq: dict, anchors: list[int]):
@@ -197,7 +218,12 @@ def main(argv=None) -> None:
     ap.add_argument("--anchors", type=int, default=32, help="random anchors per sequence")
     ap.add_argument("--eval-anchors", type=int, default=16, help="anchors per held-out sequence for the learning curve")
     ap.add_argument("--init", choices=["target", "random"], default="target")
+    ap.add_argument("--grow-layers", type=int, default=0, metavar="N",
+                    help="with --init-from: add N layers on top that start as the identity (grow_layers), so a deeper drafter "
+                         "resumes at the shipped one's acceptance")
     args = ap.parse_args(argv)
+    if args.grow_layers and not args.init_from:
+        ap.error("--grow-layers needs --init-from (the drafter to grow)")
     if Path(args.out).exists() and not args.force:
         ap.error(f"{args.out} exists (pass --force to replace it)")
     info, seqs, target = load_inputs(args)
@@ -211,6 +237,9 @@ def main(argv=None) -> None:
         if list(drafter.cfg.target_layer_ids) != list(info["layer_ids"]):
             raise SystemExit(f"{args.init_from} reads target layers {list(drafter.cfg.target_layer_ids)}, the data has {info['layer_ids']}")
         init = f"resumed from {args.init_from}"
+        if args.grow_layers:
+            drafter = grow_layers(drafter, raw_cfg, args.grow_layers, Path(args.out)).requires_grad_(True)
+            init += f", grown by {args.grow_layers} identity-initialized layer(s)"
     else:
         if args.mask_token_id is None:
             ap.error("--mask-token-id is required (unless --init-from)")
