@@ -165,6 +165,38 @@ def test_resumed_training_continues_the_learning_curve(tiny_data, tmp_path):
     _lossless(target_dir, drafter, prompts, refs, block=8)
 
 
+def test_grown_drafter_starts_as_the_resumed_one_then_trains_its_new_layer(tiny_data, tmp_path):
+    """--grow-layers: the extra layer starts as the identity (held-out τ at step 0 equals the resumed drafter's last
+    point, the drafts are the same tokens), and training moves it; the export loads with one more layer, lossless."""
+    target_dir, data, prompts, refs = tiny_data
+    base = ["--anchors", "8", "--heldout", "0.34", "--eval-every", "0"]
+    train_dflash.main(_common(target_dir, data, tmp_path / "a") + ["--mask-token-id", "3", "--block-size", "8", "--epochs", "6"] + base)
+    target = load_target(target_dir)
+    small = load_drafter(tmp_path / "a", target.cfg)
+    raw = json.loads((tmp_path / "a" / "config.json").read_text())
+    grown = train_dflash.grow_layers(small, raw, 1, tmp_path / "g")
+    assert grown.cfg.num_layers == small.cfg.num_layers + 1 and raw["num_hidden_layers"] == grown.cfg.num_layers
+
+    def drafts(drafter):
+        backend = TorchBackend(target, drafter, num_pages=64, page_size=16)
+        backend.add_sequence(0)
+        backend.prefill([0], [prompts[0] + refs[0][:10]], [False])
+        return backend.draft([0], [refs[0][10]], [7])
+
+    assert drafts(grown) == drafts(small)
+    run = train_dflash.main(_common(target_dir, data, tmp_path / "b") + ["--init-from", str(tmp_path / "a"), "--grow-layers", "1",
+                                                                         "--epochs", "6"] + base)
+    before = json.loads((tmp_path / "a" / "learning_curve.json").read_text())["points"]
+    assert run["curve"][len(before)]["tau"] == pytest.approx(before[-1]["tau"], abs=1e-3)
+    out = load_drafter(tmp_path / "b", target.cfg)
+    assert out.cfg.num_layers == small.cfg.num_layers + 1
+    assert out.layers[-1].self_attn.o_proj.weight.abs().max() > 0  # the zeroed output matrices trained
+    assert "grown by 1" in (tmp_path / "b" / "README.md").read_text()
+    _lossless(target_dir, out, prompts, refs, block=8)
+    with pytest.raises(SystemExit):
+        train_dflash.main(_common(target_dir, data, tmp_path / "c") + ["--grow-layers", "1", "--mask-token-id", "3"])
+
+
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
