@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .models.drafter import DFlashDrafter
 from .models.eagle import Eagle3Drafter
 from .models.layers import LocalVocab, fuse_projections
-from .models.packed import CPU_WEIGHTS, pack_int8_target, pack_onednn_target, packed_kind
+from .models.packed import CPU_WEIGHTS, OnednnWeight, pack_int8_target, pack_onednn_drafter, pack_onednn_target, packed_kind
 from .models.target import TargetModel
 from .speculative import Scores
 from .tree import slot_candidates
@@ -41,7 +41,8 @@ class TorchBackend:
         False runs every projection apart, as the checkpoint names them.
         `cpu_weights` "int8": the target's weights become weight-only int8 (models.packed: packed kernels for
         steps of few rows, dense matmuls of the same weights for wider ones; a bf16 or fp32 target); "onednn": a bf16
-        target's matmul weights also held prepacked for oneDNN (the same weights); the drafter stays in its dtype."""
+        target's matmul weights also held prepacked for oneDNN (the same weights), and a bf16 drafter's too, with the
+        draft head's rows (the drafts round differently, the output cannot: the target verifies)."""
         self.target, self.drafter = target, drafter
         for model in (target, drafter):
             if model is not None:
@@ -78,6 +79,15 @@ class TorchBackend:
             self.capture_layers = tuple(drafter.cfg.target_layer_ids)
             self.drafter_cache = drafter.new_cache(num_pages, page_size)
             self._draft_head, self._draft_ids, self._best_draft_row = self.vocab.draft_head(target.lm_head_weight, drafter.d2t)
+            self._draft_head_packed = None  # an OnednnWeight of _draft_head under --cpu-weights onednn
+            if cpu_weights == "onednn":
+                drafter_bytes = pack_onednn_drafter(drafter)
+                if drafter_bytes and self._draft_head is target.lm_head_weight:  # the full head: the target's packed copy
+                    self._draft_head_packed = target.lm_head_packed
+                elif drafter_bytes:
+                    self._draft_head_packed = OnednnWeight(self._draft_head)
+                    drafter_bytes += self._draft_head_packed.nbytes
+                self.packed_bytes += drafter_bytes
         self.max_drafts = self.block_size - 1
         self._pending: dict[int, list[torch.Tensor]] = {}
         self._pending_tokens: dict[int, list[int]] = {}
@@ -186,9 +196,14 @@ class TorchBackend:
 
     def _draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed drafter hidden [n, H] → greedy draft token ids [n] (over the draft vocabulary)."""
-        scores = torch.nn.functional.linear(hidden, self._draft_head)
-        best = self._best_draft_row(scores)
+        best = self._best_draft_row(self._draft_scores(hidden))
         return best if self._draft_ids is None else self._draft_ids[best]
+
+    def _draft_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafter hidden [n, H] → scores over the draft head's rows [n, V_d]."""
+        if self._draft_head_packed is not None:
+            return self._draft_head_packed.linear(hidden)
+        return torch.nn.functional.linear(hidden, self._draft_head)
 
     def _take_pending(self, seq_ids: list[int]):
         """(lengths, features [T, F], token ids at those positions) of every pending context token, batched."""
@@ -241,7 +256,7 @@ class TorchBackend:
             raise ConfigError("tree verification is not available under tensor parallelism yet (the draft head is vocabulary-parallel)",
                               key="--tree")
         if any(num_drafts):
-            tokens, logprobs = slot_candidates(self._draft_dflash(seq_ids, last_tokens, num_drafts), self._draft_head, self._draft_ids, top_k)
+            tokens, logprobs = slot_candidates(self._draft_scores(self._draft_dflash(seq_ids, last_tokens, num_drafts)), self._draft_ids, top_k)
         else:
             tokens, logprobs = [], []
         for s in seq_ids:

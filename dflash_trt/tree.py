@@ -64,11 +64,11 @@ def ancestors(parents: list[int]) -> torch.Tensor:
     return anc
 
 
-def slot_candidates(hidden: torch.Tensor, head: torch.Tensor, ids: torch.Tensor | None, top_k: int) -> tuple[list[list[int]], list[list[float]]]:
-    """A drafter's final hidden states at its block slots [n, H], the draft head's rows [V_d, H] and their token ids
-    (None: row = token) → per slot the `top_k` best tokens and their log-probabilities, best first (what
-    build_tree takes). The one place the torch backend and the engine emulation score draft slots."""
-    logp = torch.nn.functional.linear(hidden, head).float().log_softmax(dim=-1)
+def slot_candidates(scores: torch.Tensor, ids: torch.Tensor | None, top_k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """A drafter's scores at its block slots over the draft head's rows [n, V_d] (its final hidden states times the
+    head) and the rows' token ids (None: row = token) → per slot the `top_k` best tokens and their log-probabilities,
+    best first (what build_tree takes). The one place the torch backend and the engine emulation score draft slots."""
+    logp = scores.float().log_softmax(dim=-1)
     best, rows = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
     return (rows if ids is None else ids[rows]).tolist(), best.tolist()
 

@@ -320,6 +320,46 @@ def test_greedy_with_drafts_equals_plain_decoding_on_the_same_onednn_target(tmp_
     assert flips <= 2
 
 
+@needs_onednn
+@pytest.mark.parametrize("draft_vocab", [None, 40], ids=["full-head", "d2t-head"])
+def test_onednn_backend_prepacks_the_drafter_and_its_head_and_drafts_the_dense_scores(tmp_path, draft_vocab):
+    """Under --cpu-weights onednn a bf16 drafter's matmuls run prepacked too (every nn.Linear a PackedLinear, the fused
+    q/k/v and gate/up packed) and so does its draft head (the target's packed lm_head when the head is the whole
+    vocabulary); its block scores equal the dense drafter's to bf16 rounding, and its real drafts keep the output
+    equal to plain decoding on the same target."""
+    target_dir = write_target(tmp_path / "t", "llama", seed=5)
+    drafter_dir = write_drafter(tmp_path / "d", target_dir, num_layers=2, block_size=8, draft_vocab_size=draft_vocab)
+    target = load_target(target_dir, dtype=torch.bfloat16)
+    dense_target = load_target(target_dir, dtype=torch.bfloat16)
+    packed = TorchBackend(target, load_drafter(drafter_dir, target.cfg, dtype=torch.bfloat16), 64, 4, cpu_weights="onednn")
+    dense = TorchBackend(dense_target, load_drafter(drafter_dir, target.cfg, dtype=torch.bfloat16), 64, 4)
+    fused = {id(m) for layer in packed.drafter.layers for f in (layer.self_attn._fused, layer.mlp._fused) for m in f.linears}
+    apart = [m for m in packed.drafter.modules() if isinstance(m, torch.nn.Linear) and id(m) not in fused]  # o, down, fc
+    assert len(apart) == 2 * len(packed.drafter.layers) + 1 and all(isinstance(m, PackedLinear) for m in apart)
+    assert all(layer.self_attn._fused.packed is not None and layer.mlp._fused.packed is not None for layer in packed.drafter.layers)
+    assert isinstance(packed._draft_head_packed, OnednnWeight)
+    assert (packed._draft_head_packed is target.lm_head_packed) == (draft_vocab is None)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    scores = []
+    for be in (packed, dense):
+        be.add_sequence(0)
+        be.prefill([0], [prompt], [False])
+        scores.append(be._draft_scores(be._draft_dflash([0], [12], [7])).float())
+    ref = scores[1]
+    assert (scores[0] - ref).abs().max() <= 0.05 * ref.abs().max() + 0.05  # a few bf16 steps through two layers
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(max_new_tokens=20)
+    ar = TorchBackend(target, None, 128, 4, cpu_weights="onednn")
+    plain = [o.output_ids for o in Generator(ar, eos_token_ids=set(), max_batch=3).generate(prompts, params)]
+    spec_backend = TorchBackend(target, load_drafter(drafter_dir, target.cfg, dtype=torch.bfloat16), 128, 4, cpu_weights="onednn")
+    spec = Generator(spec_backend, eos_token_ids=set(), max_batch=3).generate(prompts, params)
+    from dflash_trt.bench import flip_logit_gap
+
+    for p, a, o in zip(prompts, plain, spec):
+        if a != o.output_ids:  # bf16: a verify block may round a near-tie the other way (see the test above)
+            assert abs(flip_logit_gap(ar, p, a, o.output_ids)) < 0.1, p
+
+
 def test_native_cpu_bf16_reads_the_cpu_flags_linux_reports():
     """The independent reference: the kernel's own CPU flags (AVX512-BF16 or AMX tiles) and torch's oneDNN."""
     from dflash_trt.loading import native_cpu_bf16

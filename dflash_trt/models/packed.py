@@ -227,6 +227,17 @@ def pack_onednn_target(target: nn.Module) -> int:
     return pack_weights(target, OnednnWeight)
 
 
+def pack_onednn_drafter(drafter: nn.Module) -> int:
+    """oneDNN-prepacked copies of a bf16 drafter's matmul weights (its fused q/k/v and gate/up, o/down, fc): the
+    drafter's pass is a few rows through small matrices, where the prepacked kernel's lower per-call cost shows
+    (measured: a DFlash pass of 4 slots 4.6 → 3.6 ms, 1 thread). A drafter in another dtype stays dense (returns 0).
+    Only drafts change rounding, never the output: verification is the target's. Returns the bytes they add."""
+    first = next(drafter.parameters())
+    if first.dtype != torch.bfloat16 or first.device.type != "cpu":
+        return 0
+    return pack_weights(drafter, OnednnWeight)
+
+
 def pack_int8_target(target: nn.Module, crossover: int | None = None) -> int:
     """pack_int8 for a bf16 or fp32 target (an fp32 one keeps fp32 everywhere but at its matmuls' inputs and outputs,
     see Int8Weight), with one clear error for any other dtype."""

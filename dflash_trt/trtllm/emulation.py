@@ -71,7 +71,9 @@ class _LayerSlots:
         self.shape = (pool.num_blocks * self.tpb, self.blocks.shape[1], self.blocks.shape[3])
         self.dtype = pool.data.dtype
 
-    def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
+    def __getitem__(self, slots: torch.Tensor | slice) -> torch.Tensor:
+        if isinstance(slots, slice):  # paged_attention reads a run of consecutive slots as pool[first:end]
+            slots = torch.arange(*slots.indices(self.shape[0]))
         return self.blocks[slots // self.tpb, :, slots % self.tpb]
 
     def __setitem__(self, slots: torch.Tensor, value: torch.Tensor) -> None:
@@ -251,7 +253,7 @@ class DFlashEngine:
             draft_lens = torch.full((batch,), K, dtype=torch.int32)
             draft_paths = contract.chain_paths(dims, batch)
         else:
-            tokens, logprobs = slot_candidates(hidden[slot_rows], self.draft_head, self.draft_ids, self.tree.top_k)
+            tokens, logprobs = slot_candidates(torch.nn.functional.linear(hidden[slot_rows], self.draft_head), self.draft_ids, self.tree.top_k)
             if self.draft_filter is not None:  # the seam, per row: (row, block start, slot candidates) -> slot candidates
                 tokens = [t for b in range(batch) for t in self.draft_filter(b, block_starts[b], tokens[b * slots : (b + 1) * slots])]
             drafts = torch.full((batch, K), -1, dtype=torch.long)
