@@ -11,10 +11,11 @@ import torch
 from dflash_trt.kv_cache import PagedKVCache
 from dflash_trt.models.layers import paged_attention
 
-NH, NKV, HD = 6, 2, 16
+HD = 16
 
 
 def naive_attention(q, k_pool, v_pool, cache: PagedKVCache, seq_ids, starts, lens, causal, window, sinks):
+    NH, NKV = q.shape[1], k_pool.shape[1]
     """One query at a time: softmax(q·kᵀ/√d) over the keys it may see (GQA: head h reads kv head h // (NH/NKV)), in
     float64; sinks join the denominator."""
     out = []
@@ -44,8 +45,11 @@ def naive_attention(q, k_pool, v_pool, cache: PagedKVCache, seq_ids, starts, len
 
 
 CASES = {
-    # (context lengths, new tokens per sequence, causal, window, sinks)
+    # (context lengths, new tokens per sequence, causal, window, sinks[, (heads, kv heads)]); default 6 heads over 2
     "one-seq-one-token": ([37], [1], True, None, False),
+    "mha-one-token": ([37], [1], True, None, False, (4, 4)),
+    "mha-two-seqs-block": ([12, 30], [4, 2], True, None, False, (4, 4)),
+    "grouped-two-seqs-tree-like-window": ([12, 30], [5, 5], True, 7, False, (8, 2)),
     "one-seq-verify-block": ([37], [6], True, None, False),
     "one-seq-noncausal-block": ([21], [8], False, None, False),
     "one-seq-window-cuts-in": ([37], [1], True, 9, False),
@@ -59,7 +63,8 @@ CASES = {
 @pytest.mark.parametrize("shuffled", [False, True], ids=["consecutive-pages", "shuffled-pages"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_paged_attention_equals_naive_softmax(name, shuffled, dtype):
-    ctx, lens, causal, window, use_sinks = CASES[name]
+    ctx, lens, causal, window, use_sinks, *heads = CASES[name]
+    NH, NKV = heads[0] if heads else (6, 2)
     gen = torch.Generator().manual_seed(7)
     cache = PagedKVCache(1, NKV, HD, num_pages=24, page_size=4, dtype=dtype)
     if shuffled:
