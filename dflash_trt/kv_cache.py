@@ -230,8 +230,8 @@ class AttentionBatch:
         return self._masks["kv_run"]
 
     def mask_is_full(self, causal: bool, window: int | None) -> bool:
-        """Whether mask(causal, window) lets every query see every key (one new token per sequence, no padding, no
-        window cutting in): attention then runs without a mask, which is the faster kernel."""
+        """Whether mask(causal, window) lets every query see every key (sequences of one length with no window cutting
+        in, and one new token each or a non-causal block): attention then runs without a mask, the faster kernel."""
         key = ("full", causal, window)
         if key not in self._masks:
             self._masks[key] = bool(self.mask(causal, window).all())
