@@ -193,7 +193,8 @@ def add_cpu_weights_flag(p: argparse.ArgumentParser) -> None:
                         "ones; in fp32 the matmuls take and give bf16-rounded activations, all else stays fp32; +25%% weight "
                         "memory in fp32, +50%% in bf16); onednn: a bf16 target's matmul weights also held prepacked in "
                         "oneDNN's layout (the same weights and products, faster kernels; +100%% of the matmul weights' memory); "
-                        "the drafter stays dense. Not under tensor parallelism")
+                        "a bf16 drafter and its draft head are prepacked too (drafts may round differently; the output is the "
+                        "target's). Not under tensor parallelism")
 
 
 def native_cpu_bf16() -> bool:
