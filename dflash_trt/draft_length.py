@@ -131,7 +131,8 @@ def calibrate(backend, max_batch: int = 16, progress=None) -> StepCost | None:
 
 
 # Part of every calibration's key: bump it when a change to the runtime moves step costs (e.g. 2: one-row fp32 matmuls
-# run as two rows; 3: grouped-query attention, ~2x cheaper decode attention and far cheaper at batch 16), so a table cached by an older runtime is measured again instead of steering the policy wrongly.
+# run as two rows; 3: grouped-query attention, ~2x cheaper decode attention, far cheaper at batch 16), so a table
+# cached by an older runtime is measured again instead of steering the policy wrongly.
 COST_REVISION = "3"
 
 
