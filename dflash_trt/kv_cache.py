@@ -237,6 +237,18 @@ class AttentionBatch:
             self._masks[key] = bool(self.mask(causal, window).all())
         return self._masks[key]
 
+    def grouped_additive_mask(self, causal: bool, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """mask(causal, window) for attention over grouped queries (each query row repeated `groups` times, rows
+        ordered (group, query)), as the additive mask SDPA turns a bool mask into (0 where visible, -inf elsewhere):
+        [B, 1, groups * Lq, Lk] in `dtype`. Built once per batch: every layer would otherwise convert it again."""
+        key = ("additive", causal, window, groups, dtype)
+        if key not in self._masks:
+            visible = self.mask(causal, window)
+            B, _, Lq, Lk = visible.shape
+            grouped = visible.expand(B, groups, Lq, Lk).reshape(B, 1, groups * Lq, Lk)
+            self._masks[key] = torch.zeros(grouped.shape, dtype=dtype, device=grouped.device).masked_fill(~grouped, float("-inf"))
+        return self._masks[key]
+
     def mask(self, causal: bool, window: int | None) -> torch.Tensor:
         """[B, 1, Lq, Lk] bool, True where a query may attend a key.
 
