@@ -90,8 +90,9 @@ def grow_layers(drafter: DFlashDrafter, raw_cfg: dict, n: int, path: Path) -> DF
     for i in range(drafter.cfg.num_layers, cfg.num_layers):
         for key in [k for k in state if k.startswith(f"layers.{last}.")]:
             state[f"layers.{i}." + key[len(f"layers.{last}."):]] = state[key].clone()
-        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
-            state[f"layers.{i}.{name}"] = torch.zeros_like(state[f"layers.{i}.{name}"])
+        for name in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias"):
+            if f"layers.{i}.{name}" in state:  # the biases where the config has them (attention_bias, mlp_bias)
+                state[f"layers.{i}.{name}"] = torch.zeros_like(state[f"layers.{i}.{name}"])
     grown.load_state_dict(state, strict=True)
     grown.fuse_context_projections()
     return grown

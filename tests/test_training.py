@@ -197,6 +197,27 @@ def test_grown_drafter_starts_as_the_resumed_one_then_trains_its_new_layer(tiny_
         train_dflash.main(_common(target_dir, data, tmp_path / "c") + ["--grow-layers", "1", "--mask-token-id", "3"])
 
 
+def test_grown_layers_start_as_the_identity_with_biases_too(tmp_path):
+    """A drafter with attention and MLP biases: the grown layer's o_proj and down_proj biases start at zero as well,
+    so its block hidden states are exactly the resumed drafter's."""
+    from conftest import write_drafter
+
+    target_dir = write_target(tmp_path / "t", "qwen3", seed=1)
+    drafter_dir = write_drafter(tmp_path / "d", target_dir, block_size=8, attention_bias=True, mlp_bias=True, target_layer_ids=[0, 1])
+    target = load_target(target_dir)
+    small = load_drafter(drafter_dir, target.cfg)
+    assert small.layers[-1].self_attn.o_proj.bias.abs().max() > 0 and small.layers[-1].mlp.down_proj.bias.abs().max() > 0
+    grown = train_dflash.grow_layers(small, json.loads((drafter_dir / "config.json").read_text()), 1, tmp_path / "g")
+
+    def drafts(drafter):
+        backend = TorchBackend(target, drafter, num_pages=64, page_size=4)
+        backend.add_sequence(0)
+        backend.prefill([0], [[5, 6, 7, 8, 9]], [False])
+        return backend._draft_dflash([0], [10], [7])  # the final hidden states at the block slots
+
+    assert torch.equal(drafts(grown), drafts(small))
+
+
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
