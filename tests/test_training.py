@@ -259,6 +259,8 @@ def test_several_data_directories_train_as_one_and_must_agree(tiny_data, tmp_pat
     (other / "info.json").write_text(json.dumps(dict(raw, layer_ids=[0, 1])))
     with pytest.raises(SystemExit, match=r"other/info.json: layer_ids"):
         train_common.merge_data([data, other])
+    with pytest.raises(SystemExit, match="given twice in --data"):  # the same directory, spelled another way
+        train_common.merge_data([data, data.parent / "." / data.name])
 
 
 def _as_eval_split(data: Path, out: Path, domains: list[str]) -> Path:
