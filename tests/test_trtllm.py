@@ -171,7 +171,7 @@ RELEASED = Path(__file__).parents[1] / "examples" / "configs"
 def test_the_gpt_oss_120b_deployment_checks_against_the_released_configs(capsys, tmp_path):
     """The headline deployment (gpt-oss-120b, NVFP4, tp 8, FP8 KV) passes every check the converter makes from configs
     (each expert's 360 columns per rank are padded to whole NVFP4 blocks; one KV pool of 8 KV heads of 64), and the
-    commands it prints are the converter's and trtllm-build's. A max_draft_len beyond the drafter's block is refused."""
+    commands it prints are the converter's and trtllm-build's. A max_draft_len other than the drafter's block - 1 is refused."""
     path = next(p for p in CONFIGS if p.stem.startswith("gpt-oss"))
     dirs = ["--target-dir", str(RELEASED / "gpt-oss-120b"), "--drafter-dir", str(RELEASED / "gpt-oss-120b-DFlash")]
     assert cli.main(["build", "--config", str(path), "--dry-run", "--out", "OUT", *dirs]) == 0
@@ -188,6 +188,10 @@ def test_the_gpt_oss_120b_deployment_checks_against_the_released_configs(capsys,
     bad.write_text(yaml.safe_dump(raw))
     assert cli.main(["build", "--config", str(bad), "--dry-run", *dirs]) == 2
     assert f"{bad}: speculative_config.max_draft_len: 15 > the drafter's block_size - 1 = 9" in capsys.readouterr().err
+    raw["speculative_config"]["max_draft_len"] = 4  # shorter than the block the engine's checkpoint drafts
+    bad.write_text(yaml.safe_dump(raw))
+    assert cli.main(["build", "--config", str(bad), "--dry-run", *dirs]) == 2
+    assert f"{bad}: speculative_config.max_draft_len: 4 < the drafter's block_size - 1 = 9" in capsys.readouterr().err
     # without the models' configs the dry run says what it could not check
     assert cli.main(["build", "--config", str(path), "--dry-run", "--target-dir", str(tmp_path / "absent")]) == 0
     assert "# not checked against the models: no config.json in" in capsys.readouterr().out

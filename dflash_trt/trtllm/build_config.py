@@ -160,7 +160,7 @@ def check_models(cfg: BuildConfig) -> list[str]:
     """What the dry run can check before anything is converted: when the deployment's model directories hold their
     config.json, everything the converter checks from configs alone (convert.check_conversion: pair, tp, NVFP4 widths,
     one KV pool), that the target is the architecture the config names, and max_draft_len <= the drafter's
-    block_size - 1. Returns the lines to print; raises ConfigError (naming the build config's key) on a mismatch."""
+    block_size - 1 exactly. Returns the lines to print; raises ConfigError (naming the build config's key) on a mismatch."""
     from ..convert import check_conversion
 
     missing = [d for d in (cfg.target_model, cfg.drafter_model) if not (Path(d) / "config.json").is_file()]
@@ -169,8 +169,13 @@ def check_models(cfg: BuildConfig) -> list[str]:
     t_cfg, d_cfg = check_conversion(cfg.target_model, cfg.drafter_model, fmt="engine", quant=cfg.quant, tp=cfg.tp)
     if t_cfg.architecture != cfg.target_architecture:
         raise ConfigError(f"{cfg.target_model} is a {t_cfg.architecture}, not a {cfg.target_architecture}", file=cfg.path, key="target.architecture")
-    if cfg.max_draft_len > d_cfg.block_size - 1:
-        raise ConfigError(f"{cfg.max_draft_len} > the drafter's block_size - 1 = {d_cfg.block_size - 1} ({d_cfg.path})", file=cfg.path,
+    # The one-engine checkpoint always says max_draft_len = num_eagle_layers = block_size - 1 (engine_config_json), and
+    # DFlashForCausalLM builds its block and its inputs from that value (engine_network.py prepare_inputs), so a
+    # different --max_draft_len for trtllm-build would size the build's profiles for another draft count.
+    if cfg.max_draft_len != d_cfg.block_size - 1:
+        rel = ">" if cfg.max_draft_len > d_cfg.block_size - 1 else "<"
+        raise ConfigError(f"{cfg.max_draft_len} {rel} the drafter's block_size - 1 = {d_cfg.block_size - 1} ({d_cfg.path}): the one "
+                          "engine drafts a whole block per step (its checkpoint's max_draft_len)", file=cfg.path,
                           key="speculative_config.max_draft_len")
     return [f"# checked against {cfg.target_model} and {cfg.drafter_model}: {t_cfg.architecture}, tp {cfg.tp}, {cfg.quant}, "
             f"one KV pool of {t_cfg.num_layers} + {d_cfg.num_layers} layers, {cfg.max_draft_len} drafts per step"]
