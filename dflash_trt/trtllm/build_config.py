@@ -159,8 +159,8 @@ WIRED_TARGETS = ("LlamaForCausalLM",)
 def check_models(cfg: BuildConfig) -> list[str]:
     """What the dry run can check before anything is converted: when the deployment's model directories hold their
     config.json, everything the converter checks from configs alone (convert.check_conversion: pair, tp, NVFP4 widths,
-    one KV pool), that the target is the architecture the config names, and max_draft_len <= the drafter's
-    block_size - 1 exactly. Returns the lines to print; raises ConfigError (naming the build config's key) on a mismatch."""
+    one KV pool), that the target is the architecture the config names, and max_draft_len = the drafter's
+    block_size - 1. Returns the lines to print; raises ConfigError (naming the build config's key) on a mismatch."""
     from ..convert import check_conversion
 
     missing = [d for d in (cfg.target_model, cfg.drafter_model) if not (Path(d) / "config.json").is_file()]
