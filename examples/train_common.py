@@ -156,13 +156,12 @@ def merge_data(dirs: list[Path]) -> tuple[dict, list[dict]]:
     """(combined info, all sequences) of several make_training_data outputs, which must agree on the target's layer
     ids and generation settings (a sequence's features are only comparable then)."""
     seen: dict[Path, Path] = {}
-    for d in dirs:
-        if d.resolve() in seen:
-            raise SystemExit(f"{d}: given twice in --data (as {seen[d.resolve()]} too); each directory is read once, "
-                             "or its sequences would count twice in training and in the held-out split")
-        seen[d.resolve()] = d
     infos = []
     for d in dirs:
+        if (real := d.resolve()) in seen:
+            raise SystemExit(f"{d}: given twice in --data (as {seen[real]} too); each directory is read once, "
+                             "or its sequences would count twice in training and in the held-out split")
+        seen[real] = d
         infos.append(read_info(d))
         if infos[-1].get("split", "train") != "train":
             raise SystemExit(f"{d / 'info.json'}: split = {infos[-1]['split']!r}: evaluation prompts are never trained on (pass it as --curve-data)")
